@@ -1,0 +1,18 @@
+"""Pallas kernels for qwen35-jax (GPU kernels with pure-JAX references).
+
+GDN and conv1d ops (issue 3) are exported here; attention kernels live in
+``pallas_kernels.attention`` (imported on demand).
+"""
+from .conv1d import causal_conv1d_prefill, causal_conv1d_update
+from .gdn import (
+    gdn_chunked_reference,
+    gdn_decode,
+    gdn_decode_reference,
+    gdn_prefill,
+    gdn_recurrent_reference,
+)
+
+__all__ = [
+    "gdn_prefill", "gdn_decode", "gdn_chunked_reference", "gdn_recurrent_reference",
+    "gdn_decode_reference", "causal_conv1d_prefill", "causal_conv1d_update",
+]

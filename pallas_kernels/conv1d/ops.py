@@ -1,0 +1,40 @@
+"""Public causal conv1d ops with backend dispatch."""
+from __future__ import annotations
+
+from .._dispatch import resolve
+from . import reference as _ref
+
+
+def causal_conv1d_prefill(x, weight, *, cu_seqlens, initial_state=None,
+                          activation="silu", backend="auto", config=None):
+    """Depthwise causal conv over packed sequences.
+
+    x [T,C]; weight [C,K] (tap j multiplies x[t-(K-1)+j]); cu_seqlens int32
+    [N+1]; initial_state [N,K-1,C] (previous K-1 inputs, oldest first; None =
+    zeros).  Returns (y [T,C] in x.dtype, computed in fp32, padding tokens past
+    cu[N] -> 0; final_state [N,K-1,C] in x.dtype = last K-1 inputs of each
+    sequence, drawing on initial_state for short sequences).
+    """
+    b = resolve("conv1d_prefill", backend)
+    if b in ("reference", "recurrent"):
+        return _ref.causal_conv1d_prefill_reference(
+            x, weight, cu_seqlens=cu_seqlens, initial_state=initial_state,
+            activation=activation)
+    from .pallas_triton import causal_conv1d_prefill_pallas
+    return causal_conv1d_prefill_pallas(
+        x, weight, cu_seqlens=cu_seqlens, initial_state=initial_state,
+        activation=activation, interpret=(b == "interpret"), config=config)
+
+
+def causal_conv1d_update(x, weight, state_pool, slots, *, activation="silu",
+                         backend="auto", config=None):
+    """One token per sequence; state_pool [P,K-1,C]; slots int32 [N], out of
+    range = padding row (pool untouched, y 0).  Returns (y [N,C], pool)."""
+    b = resolve("conv1d_update", backend)
+    if b in ("reference", "recurrent"):
+        return _ref.causal_conv1d_update_reference(x, weight, state_pool, slots,
+                                                   activation=activation)
+    from .pallas_triton import causal_conv1d_update_pallas
+    return causal_conv1d_update_pallas(x, weight, state_pool, slots,
+                                       activation=activation,
+                                       interpret=(b == "interpret"), config=config)

@@ -1,0 +1,51 @@
+"""Public GDN ops with backend dispatch."""
+from __future__ import annotations
+
+from .._dispatch import resolve
+from . import reference as _ref
+
+
+def gdn_prefill(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None,
+                output_final_state=True, use_qk_l2norm=False, backend="auto",
+                config=None):
+    """Chunked gated-delta-rule prefill (FLA layout).
+
+    q, k [B,T,Hk,dk]; v [B,T,Hv,dv] (Hv % Hk == 0; value head h reads key head
+    h // (Hv//Hk)); g (log decay) and beta [B,T,Hv]; initial_state
+    [N,Hv,dk,dv] float32 or None (zeros).  With cu_seqlens (int32 [N+1],
+    traced values allowed) B must be 1 and sequences are packed; zero-length
+    sequences keep their initial state, tokens at index >= cu_seqlens[N] are
+    padding (output 0).  scale defaults to dk**-0.5 (applied after the optional
+    l2norm).  Returns (o in v.dtype [B,T,Hv,dv], final_state float32
+    [N,Hv,dk,dv] or None).
+    """
+    kw = dict(scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
+              output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm)
+    b = resolve("gdn_prefill", backend)
+    if b == "reference":
+        return _ref.gdn_chunked_reference(q, k, v, g, beta, **kw)
+    if b == "recurrent":
+        return _ref.gdn_recurrent_reference(q, k, v, g, beta, **kw)
+    from .pallas_triton import gdn_prefill_pallas
+    return gdn_prefill_pallas(q, k, v, g, beta, interpret=(b == "interpret"),
+                              config=config, **kw)
+
+
+def gdn_decode(q, k, v, g, beta, state_pool, slots, *, scale=None,
+               use_qk_l2norm=False, backend="auto", config=None):
+    """One decode token per sequence against a state pool.
+
+    q, k [N,Hk,dk]; v [N,Hv,dv]; g, beta [N,Hv]; state_pool [P,Hv,dk,dv]
+    float32 or bfloat16; slots int32 [N]: a slot outside [0, P) is a padding
+    row (no read, no write, output 0).  Math in fp32; the state is stored back
+    in the pool's dtype.  Returns (o [N,Hv,dv] in v.dtype, updated pool); the
+    Pallas path aliases the pool (in place under jit with donation).
+    """
+    b = resolve("gdn_decode", backend)
+    if b in ("reference", "recurrent"):
+        return _ref.gdn_decode_reference(q, k, v, g, beta, state_pool, slots,
+                                         scale=scale, use_qk_l2norm=use_qk_l2norm)
+    from .pallas_triton import gdn_decode_pallas
+    return gdn_decode_pallas(q, k, v, g, beta, state_pool, slots, scale=scale,
+                             use_qk_l2norm=use_qk_l2norm,
+                             interpret=(b == "interpret"), config=config)

@@ -1,0 +1,341 @@
+"""Pallas (Triton-flavoured) kernel bodies for the gated delta rule.
+
+The same bodies run on an NVIDIA GPU through the Pallas Triton backend
+(`pl.pallas_call(..., compiler_params=plt.CompilerParams(...))`) and on the CPU
+in interpret mode (`interpret=True`), which is how the CPU test suite checks
+them.
+
+Prefill is two launches:
+
+1. ``_intra_kernel``, grid (chunk, value head), fully parallel over the chunk
+   table: chunk-local cumulative gate gamma, the strictly lower matrix
+   A_ij = beta_i k_i.k_j exp(gamma_i - gamma_j) (i > j), T = (I + A)^-1 by
+   row-wise forward substitution in fp32, and M = T diag(beta).
+2. ``_main_kernel``, grid (sequence, value head, V tile): one program walks its
+   sequence's chunks keeping the fp32 state tile [dk, BV] in registers:
+      KS = K S;  Vd = M (V - e^gamma * KS)
+      O  = scale (e^gamma * (Q S) + ((Q K^T) . e^{gamma_i - gamma_j} [i >= j]) Vd)
+      S  = e^{gamma_C} S + (e^{gamma_C - gamma} * K)^T Vd
+   (the v_new = T diag(beta) (V - e^gamma K S) form of FlashInfer / FlashQLA:
+   W and U are never materialised).
+
+Decode: grid (row, value head, V tile), state tile [dk, BV] read from the pool
+slot, updated, written back in place (input_output_aliases).
+
+Out-of-bounds dynamic slices clamp in interpret mode, so the wrappers pad the
+token axis by one chunk there (on the GPU, masked loads/stores never touch
+memory past the end).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+try:  # Pallas Triton backend (deprecated from jax 0.11, still shipped)
+    from jax.experimental.pallas import triton as plt
+except Exception:  # pragma: no cover
+    plt = None
+
+from .reference import CHUNK, chunk_table, normalize_cu_seqlens, _check_shapes, _default_scale
+
+_HI = lax.Precision.HIGHEST
+
+
+def _load(ref, mask=None, other=None):
+    if plt is not None:
+        return plt.load(ref, mask=mask, other=other)
+    return ref[...]
+
+
+def _store(ref, val, mask=None):
+    if plt is not None:
+        plt.store(ref, val, mask=mask)
+    else:  # pragma: no cover
+        ref[...] = val
+
+
+def _mm(a, b, *, ta=False, tb=False, mm_dtype=jnp.float32):
+    """2-D matmul, fp32 accumulation.  mm_dtype bf16 -> tensor-core operands;
+    float32 -> IEEE fp32."""
+    a = a.astype(mm_dtype)
+    b = b.astype(mm_dtype)
+    prec = _HI if mm_dtype == jnp.float32 else None
+    dn = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
+    return lax.dot_general(a, b, dn, precision=prec,
+                           preferred_element_type=jnp.float32)
+
+
+def _compiler_params(num_warps, num_stages):
+    if plt is None:
+        return None
+    return plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def _rsqrt_norm(x):
+    return x * lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + 1e-6)
+
+
+# ----------------------------------------------------------------------------
+# prefill kernel 1: intra-chunk inverse
+# ----------------------------------------------------------------------------
+def _intra_kernel(start_ref, len_ref, k_ref, g_ref, b_ref, m_ref, gam_ref, *,
+                  ratio, use_l2, mm_dtype, inverse):
+    c = pl.program_id(0)
+    h = pl.program_id(1)
+    hk = h // ratio
+    L = CHUNK
+    start = start_ref[c]
+    n = len_ref[c]
+    dk = k_ref.shape[-1]
+    rows = lax.broadcasted_iota(jnp.int32, (L, dk), 0)
+    kmask = rows < n
+    k = _load(k_ref.at[pl.ds(start, L), hk, :], mask=kmask, other=0.0).astype(jnp.float32)
+    if use_l2:
+        k = _rsqrt_norm(k)
+    pos = lax.broadcasted_iota(jnp.int32, (L,), 0)
+    vmask = pos < n
+    g = _load(g_ref.at[pl.ds(start, L), h], mask=vmask, other=0.0).astype(jnp.float32)
+    beta = _load(b_ref.at[pl.ds(start, L), h], mask=vmask, other=0.0).astype(jnp.float32)
+    g = jnp.where(vmask, g, 0.0)
+    beta = jnp.where(vmask, beta, 0.0)
+    gam = jnp.cumsum(g, axis=0)
+    kk = _mm(k, k, tb=True, mm_dtype=mm_dtype)  # [L, L]
+    ri = lax.broadcasted_iota(jnp.int32, (L, L), 0)
+    ci = lax.broadcasted_iota(jnp.int32, (L, L), 1)
+    strict = ri > ci
+    diff = jnp.where(strict, gam[:, None] - gam[None, :], 0.0)
+    A = jnp.where(strict, kk * jnp.exp(diff) * beta[:, None], 0.0)
+
+    eye = jnp.where(ri == ci, 1.0, 0.0).astype(jnp.float32)
+    if inverse == "subst":
+        # forward substitution: T[i,:] = e_i - sum_{j<i} A[i,j] T[j,:]
+        def body(i, T):
+            a_i = jnp.sum(jnp.where(ri == i, A, 0.0), axis=0)  # row i of A, [L]
+            new = jnp.where(pos == i, 1.0, 0.0) - jnp.sum(a_i[:, None] * T, axis=0)
+            return jnp.where(ri == i, new[None, :], T)
+
+        T = lax.fori_loop(1, L, body, eye)
+    else:
+        # N = -A is nilpotent (N^64 = 0): (I + A)^-1 = (I+N)(I+N^2)(I+N^4)...(I+N^32)
+        # "neumann_tf32": tensor-core tf32 products; "neumann": IEEE fp32.
+        prec = lax.Precision.DEFAULT if inverse == "neumann_tf32" else _HI
+        dn = (((1,), (0,)), ((), ()))
+        mm = lambda a, b: lax.dot_general(a, b, dn, precision=prec,
+                                          preferred_element_type=jnp.float32)
+        Nm = -A
+        T = eye + Nm
+        P = Nm
+        for _ in range(5):
+            P = mm(P, P)
+            T = T + mm(T, P)
+    m_ref[c, h, :, :] = (T * beta[None, :]).astype(m_ref.dtype)
+    gam_ref[c, h, :] = gam
+
+
+# ----------------------------------------------------------------------------
+# prefill kernel 2: sequential state pass + output
+# ----------------------------------------------------------------------------
+def _main_kernel(cu_ref, sfirst_ref, snch_ref, start_ref, len_ref,
+                 q_ref, k_ref, v_ref, m_ref, gam_ref, init_ref,
+                 o_ref, fin_ref, *, ratio, use_l2, scale, mm_dtype, bv,
+                 has_init, n_seq, total_rows):
+    s = pl.program_id(0)
+    h = pl.program_id(1)
+    iv = pl.program_id(2)
+    hk = h // ratio
+    L = CHUNK
+    dk = q_ref.shape[-1]
+    v0 = iv * bv
+    if has_init:
+        S0 = init_ref[s, h, :, pl.ds(v0, bv)].astype(jnp.float32)
+    else:
+        S0 = jnp.zeros((dk, bv), jnp.float32)
+    c0 = sfirst_ref[s]
+    nc = snch_ref[s]
+    rows_k = lax.broadcasted_iota(jnp.int32, (L, dk), 0)
+    rows_v = lax.broadcasted_iota(jnp.int32, (L, bv), 0)
+    pos = lax.broadcasted_iota(jnp.int32, (L,), 0)
+    ri = lax.broadcasted_iota(jnp.int32, (L, L), 0)
+    ci = lax.broadcasted_iota(jnp.int32, (L, L), 1)
+    causal = ri >= ci
+
+    def body(c, S):
+        start = start_ref[c]
+        n = len_ref[c]
+        km = rows_k < n
+        vm = rows_v < n
+        q = _load(q_ref.at[pl.ds(start, L), hk, :], mask=km, other=0.0).astype(jnp.float32)
+        k = _load(k_ref.at[pl.ds(start, L), hk, :], mask=km, other=0.0).astype(jnp.float32)
+        v = _load(v_ref.at[pl.ds(start, L), h, pl.ds(v0, bv)], mask=vm, other=0.0).astype(jnp.float32)
+        if use_l2:
+            q = _rsqrt_norm(q)
+            k = _rsqrt_norm(k)
+        q = q * scale
+        M = m_ref[c, h, :, :].astype(jnp.float32)
+        gam = gam_ref[c, h, :]
+        eg = jnp.exp(gam)
+        gl = jnp.sum(jnp.where(pos == L - 1, gam, 0.0))
+        ks = _mm(k, S, mm_dtype=mm_dtype)
+        wp = v - eg[:, None] * ks
+        vd = _mm(M, wp, mm_dtype=mm_dtype)
+        qs = _mm(q, S, mm_dtype=mm_dtype)
+        qk = _mm(q, k, tb=True, mm_dtype=mm_dtype)
+        p = jnp.where(causal, qk * jnp.exp(jnp.where(causal, gam[:, None] - gam[None, :], 0.0)), 0.0)
+        o = eg[:, None] * qs + _mm(p, vd, mm_dtype=mm_dtype)
+        _store(o_ref.at[pl.ds(start, L), h, pl.ds(v0, bv)], o.astype(o_ref.dtype), mask=vm)
+        kd = k * jnp.exp(gl - gam)[:, None]
+        return jnp.exp(gl) * S + _mm(kd, vd, ta=True, mm_dtype=mm_dtype)
+
+    S = lax.fori_loop(c0, c0 + nc, body, S0)
+    fin_ref[s, h, :, pl.ds(v0, bv)] = S
+
+    # the last sequence's programs zero the padding rows [cu[N], total_rows)
+    @pl.when(s == n_seq - 1)
+    def _():
+        pad0 = cu_ref[n_seq]
+        npad = (total_rows - pad0 + L - 1) // L
+
+        def zbody(i, carry):
+            st = pad0 + i * L
+            m = rows_v < (total_rows - st)
+            _store(o_ref.at[pl.ds(st, L), h, pl.ds(v0, bv)],
+                   jnp.zeros((L, bv), o_ref.dtype), mask=m)
+            return carry
+
+        lax.fori_loop(0, npad, zbody, 0)
+
+
+def _pad_rows(x, n):
+    return jnp.concatenate([x, jnp.zeros((n,) + x.shape[1:], x.dtype)], 0)
+
+
+def gdn_prefill_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
+                       cu_seqlens=None, output_final_state=True,
+                       use_qk_l2norm=False, interpret=False, config=None,
+                       _only_intra=False):
+    """Pallas prefill.  Same interface / semantics as ``gdn_prefill``.
+    (_only_intra: stop after the first launch; for timing the parts.)"""
+    from ..tuning import gdn_prefill_config
+    B, T, Hk, Hv, dk, dv = _check_shapes(q, k, v, g, beta)
+    scale = _default_scale(scale, dk)
+    cfg = dict(gdn_prefill_config(dv))
+    if config:
+        cfg.update(config)
+    bv = min(cfg["bv"], dv)
+    if dv % bv:
+        bv = dv
+    cu, N = normalize_cu_seqlens(B, T, cu_seqlens)
+    TT = B * T
+    tab = chunk_table(cu, TT, CHUNK)
+    C = tab["c_max"]
+    qf = q.reshape(TT, Hk, dk)
+    kf = k.reshape(TT, Hk, dk)
+    vf = v.reshape(TT, Hv, dv)
+    gf = g.reshape(TT, Hv).astype(jnp.float32)
+    bf = beta.reshape(TT, Hv).astype(jnp.float32)
+    rows = TT
+    if interpret:  # dynamic slices clamp in interpret mode: pad by a chunk
+        qf, kf, vf, gf, bf = (_pad_rows(x, CHUNK) for x in (qf, kf, vf, gf, bf))
+        rows = TT + CHUNK
+    mm_dtype = jnp.float32 if q.dtype == jnp.float32 else jnp.bfloat16
+    ratio = Hv // Hk
+
+    m, gam = pl.pallas_call(
+        functools.partial(_intra_kernel, ratio=ratio, use_l2=use_qk_l2norm,
+                          mm_dtype=mm_dtype, inverse=cfg["inverse"]),
+        out_shape=(jax.ShapeDtypeStruct((C, Hv, CHUNK, CHUNK),
+                                        jnp.dtype(cfg["m_dtype"]) if mm_dtype != jnp.float32
+                                        else jnp.float32),
+                   jax.ShapeDtypeStruct((C, Hv, CHUNK), jnp.float32)),
+        grid=(C, Hv),
+        compiler_params=_compiler_params(cfg["intra_warps"], cfg["intra_stages"]),
+        interpret=interpret,
+        name="gdn_intra",
+    )(tab["start"], tab["length"], kf, gf, bf)
+
+    if _only_intra:
+        return m, gam
+    has_init = initial_state is not None
+    init = (initial_state.astype(jnp.float32) if has_init
+            else jnp.zeros((1, 1, 1, 1), jnp.float32))
+    o, fin = pl.pallas_call(
+        functools.partial(_main_kernel, ratio=ratio, use_l2=use_qk_l2norm,
+                          scale=float(scale), mm_dtype=mm_dtype, bv=bv,
+                          has_init=has_init, n_seq=N, total_rows=TT),
+        out_shape=(jax.ShapeDtypeStruct((rows, Hv, dv), v.dtype),
+                   jax.ShapeDtypeStruct((N, Hv, dk, dv), jnp.float32)),
+        grid=(N, Hv, dv // bv),
+        compiler_params=_compiler_params(cfg["main_warps"], cfg["main_stages"]),
+        interpret=interpret,
+        name="gdn_chunk_main",
+    )(cu, tab["seq_first_chunk"], tab["seq_nchunks"], tab["start"], tab["length"],
+      qf, kf, vf, m, gam, init)
+    o = o[:TT].reshape(B, T, Hv, dv)
+    return o, (fin if output_final_state else None)
+
+
+# ----------------------------------------------------------------------------
+# decode
+# ----------------------------------------------------------------------------
+def _decode_kernel(slots_ref, q_ref, k_ref, v_ref, g_ref, b_ref, pool_in_ref,
+                   o_ref, pool_ref, *, ratio, use_l2, scale, bv, n_slots):
+    del pool_in_ref  # aliased with pool_ref
+    n = pl.program_id(0)
+    h = pl.program_id(1)
+    iv = pl.program_id(2)
+    hk = h // ratio
+    v0 = iv * bv
+    slot = slots_ref[n]
+    valid = (slot >= 0) & (slot < n_slots)
+    sc = jnp.where(valid, slot, 0)
+    q = q_ref[n, hk, :].astype(jnp.float32)
+    k = k_ref[n, hk, :].astype(jnp.float32)
+    if use_l2:
+        q = q * lax.rsqrt(jnp.sum(q * q) + 1e-6)
+        k = k * lax.rsqrt(jnp.sum(k * k) + 1e-6)
+    q = q * scale
+    v = v_ref[n, h, pl.ds(v0, bv)].astype(jnp.float32)
+    gv = g_ref[n, h].astype(jnp.float32)
+    bt = b_ref[n, h].astype(jnp.float32)
+    S = pool_ref[sc, h, :, pl.ds(v0, bv)].astype(jnp.float32)  # [dk, bv]
+    S = S * jnp.exp(gv)
+    kv = jnp.sum(S * k[:, None], axis=0)
+    vn = bt * (v - kv)
+    S = S + k[:, None] * vn[None, :]
+    o = jnp.sum(S * q[:, None], axis=0)
+    o_ref[n, h, pl.ds(v0, bv)] = jnp.where(valid, o, 0.0).astype(o_ref.dtype)
+
+    @pl.when(valid)
+    def _():
+        pool_ref[sc, h, :, pl.ds(v0, bv)] = S.astype(pool_ref.dtype)
+
+
+def gdn_decode_pallas(q, k, v, g, beta, state_pool, slots, *, scale=None,
+                      use_qk_l2norm=False, interpret=False, config=None):
+    from ..tuning import gdn_decode_config
+    N, Hk, dk = q.shape
+    Hv, dv = v.shape[1], v.shape[2]
+    P = state_pool.shape[0]
+    scale = _default_scale(scale, dk)
+    cfg = dict(gdn_decode_config(dv, state_pool.dtype))
+    if config:
+        cfg.update(config)
+    bv = min(cfg["bv"], dv)
+    if dv % bv:
+        bv = dv
+    o, pool = pl.pallas_call(
+        functools.partial(_decode_kernel, ratio=Hv // Hk, use_l2=use_qk_l2norm,
+                          scale=float(scale), bv=bv, n_slots=P),
+        out_shape=(jax.ShapeDtypeStruct((N, Hv, dv), v.dtype),
+                   jax.ShapeDtypeStruct(state_pool.shape, state_pool.dtype)),
+        grid=(N, Hv, dv // bv),
+        input_output_aliases={6: 1},
+        compiler_params=_compiler_params(cfg["warps"], cfg["stages"]),
+        interpret=interpret,
+        name="gdn_decode",
+    )(slots.astype(jnp.int32), q, k, v, g, beta, state_pool)
+    return o, pool

@@ -1,0 +1,77 @@
+"""Per-architecture tile / pipeline tables for the Pallas GPU kernels.
+
+Keys are CUDA compute-capability families: "sm90" (Hopper: H100/H200),
+"sm100" (Blackwell B200/B300/GB200).  A new architecture needs a table entry,
+not new kernel code.  "default" covers anything else (and CPU interpret mode,
+where the values only set the tiling the interpreter walks).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+
+# GDN chunked prefill: bv = V tile of the state kept per program (state tile
+# [dk, bv] fp32), warps / stages for the intra-chunk and main kernels.
+# inverse: "subst" (row forward substitution, fp32), "neumann" (product form,
+# IEEE fp32 matmuls) or "neumann_tf32"; m_dtype: storage of M = T diag(beta)
+# between the two launches for 16-bit inputs (float32 inputs keep float32).
+_PREFILL_BASE = dict(bv=64, intra_warps=4, intra_stages=2, main_warps=4, main_stages=2,
+                     inverse="subst", m_dtype="float32")
+GDN_PREFILL = {
+    "sm90": dict(_PREFILL_BASE),
+    "sm100": dict(_PREFILL_BASE),
+    "default": dict(_PREFILL_BASE),
+}
+
+# GDN decode: state tile [dk, bv] per program.
+GDN_DECODE = {
+    "sm90": dict(bv=32, warps=4, stages=2),
+    "sm100": dict(bv=32, warps=4, stages=2),
+    "default": dict(bv=32, warps=4, stages=2),
+}
+
+# causal conv1d: token block bt x channel block bc.
+CONV1D = {
+    "sm90": dict(bt=32, bc=256, warps=4, stages=2, update_bc=512),
+    "sm100": dict(bt=32, bc=256, warps=4, stages=2, update_bc=512),
+    "default": dict(bt=32, bc=256, warps=4, stages=2, update_bc=512),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_arch() -> str | None:
+    """'sm90', 'sm100', 'sm<cc>' for other NVIDIA GPUs, or None without one."""
+    try:
+        devs = [d for d in jax.devices() if d.platform == "gpu"]
+    except Exception:
+        return None
+    if not devs:
+        return None
+    cc = getattr(devs[0], "compute_capability", None)
+    if cc is None:
+        return "sm_unknown"
+    major, _, minor = str(cc).partition(".")
+    return f"sm{major}{minor or '0'}"
+
+
+def _family(arch):
+    if arch is None:
+        return "default"
+    if arch.startswith("sm90"):
+        return "sm90"
+    if arch.startswith("sm10"):
+        return "sm100"
+    return "default"
+
+
+def gdn_prefill_config(dv, arch=None):
+    return GDN_PREFILL[_family(arch or gpu_arch())]
+
+
+def gdn_decode_config(dv, state_dtype=None, arch=None):
+    return GDN_DECODE[_family(arch or gpu_arch())]
+
+
+def conv1d_config(arch=None):
+    return CONV1D[_family(arch or gpu_arch())]

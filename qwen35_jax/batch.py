@@ -1,0 +1,60 @@
+"""The ragged batch a model step runs on, and the per-token metadata derived from it.
+
+One layout serves prompts, continued prompt chunks and decode: sequences are
+packed back to back (``cu_seqlens``), each with the number of its tokens already
+in the cache (``start_pos``), its GDN state slot and its KV block table.  Shapes
+are static per bucket; padding tokens sit past ``cu_seqlens[-1]`` and padding
+sequences have length 0 and a slot past the pool, so their writes are dropped.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import struct
+
+
+@struct.dataclass
+class Batch:
+    tokens: jnp.ndarray  # int32 [T]
+    cu_seqlens: jnp.ndarray  # int32 [N+1]
+    start_pos: jnp.ndarray  # int32 [N]: tokens of the sequence already cached
+    slots: jnp.ndarray  # int32 [N]: GDN state slot; >= num_slots for a padding sequence
+    block_tables: jnp.ndarray  # int32 [N, M]
+    logits_indices: jnp.ndarray  # int32 [L]: tokens whose logits are returned
+    is_decode: bool = struct.field(pytree_node=False, default=False)  # one token per sequence
+
+
+@struct.dataclass
+class StepMeta:
+    """Per-token views of a Batch, computed once per step on device."""
+
+    positions: jnp.ndarray  # [T] absolute position of each token
+    seq_ids: jnp.ndarray  # [T] its sequence (clipped to a valid index for padding)
+    kv_block_ids: jnp.ndarray  # [T] block its K/V goes to (num_blocks for padding: dropped)
+    kv_offsets: jnp.ndarray  # [T] offset inside that block
+    block_tables: jnp.ndarray
+    cu_seqlens: jnp.ndarray
+    slots: jnp.ndarray
+    has_state: jnp.ndarray  # [N] bool: continue from the slot's state
+    is_decode: bool = struct.field(pytree_node=False, default=False)
+
+
+def step_meta(batch: Batch, *, num_blocks: int, block_size: int) -> StepMeta:
+    t = batch.tokens.shape[0]
+    n = batch.slots.shape[0]
+    tok = jnp.arange(t, dtype=jnp.int32)
+    if batch.is_decode:
+        seq = tok
+        valid = batch.cu_seqlens[1:] > batch.cu_seqlens[:-1]
+    else:
+        seq = jnp.searchsorted(batch.cu_seqlens[1:], tok, side="right").astype(jnp.int32)
+        valid = tok < batch.cu_seqlens[-1]
+        seq = jnp.minimum(seq, n - 1)
+    positions = batch.start_pos[seq] + tok - batch.cu_seqlens[seq]
+    positions = jnp.where(valid, positions, 0)
+    blk = jnp.take_along_axis(batch.block_tables[seq], (positions // block_size)[:, None], 1)[:, 0]
+    return StepMeta(
+        positions=positions, seq_ids=seq,
+        kv_block_ids=jnp.where(valid, blk, num_blocks), kv_offsets=positions % block_size,
+        block_tables=batch.block_tables, cu_seqlens=batch.cu_seqlens, slots=batch.slots,
+        has_state=batch.start_pos > 0, is_decode=batch.is_decode)

@@ -1,0 +1,90 @@
+"""Gated DeltaNet (the ``linear_attention`` layers).
+
+Separate ``in_proj_qkv / z / b / a`` projections; a causal depthwise conv with
+SiLU over ``[q | k | v]``; value head ``h`` reads key head ``h // (Hv/Hk)``;
+L2-normalised q/k; ``beta = sigmoid(b)``; ``g = -exp(A_log)·softplus(a + dt_bias)``
+in float32; gated RMSNorm on the output.  The delta rule and the conv run
+through ``pallas_kernels`` (chunked for prompts, recurrent for single tokens),
+reading and writing each sequence's state in the slot pool.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from pallas_kernels import causal_conv1d_prefill, causal_conv1d_update, gdn_decode, gdn_prefill
+from qwen35_jax.layers.mlp import linear
+from qwen35_jax.layers.norms import GatedRMSNorm
+
+
+class GatedDeltaNet(nnx.Module):
+    def __init__(self, cfg, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        d = cfg.hidden_size
+        self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        conv_dim, hv = cfg.conv_dim, self.hv
+        self.in_proj_qkv = linear(d, conv_dim, rngs, dtype)
+        self.in_proj_z = linear(d, hv * self.dv, rngs, dtype)
+        self.in_proj_b = linear(d, hv, rngs, dtype)
+        self.in_proj_a = linear(d, hv, rngs, dtype)
+        self.conv1d = nnx.Param(
+            nnx.initializers.normal(0.5)(rngs.params(), (conv_dim, cfg.linear_conv_kernel_dim), dtype))
+        # Decay parameters stay float32 whatever the model dtype: g is computed in float32.
+        self.A_log = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (hv,), jnp.float32, 1.0, 16.0)))
+        self.dt_bias = nnx.Param(jnp.ones((hv,), jnp.float32))
+        self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps, dtype=dtype)
+        self.out_proj = linear(hv * self.dv, d, rngs, dtype)
+
+    def __call__(self, x, conv_pool, ssm_pool, layer, meta):
+        """x: [T, D] normed hidden.  conv_pool [P, L, K-1, C] and ssm_pool [P, L, Hv, dk, dv]
+        hold every GDN layer's state per slot; ``layer`` (traced) picks this one."""
+        t = x.shape[0]
+        mixed = self.in_proj_qkv(x)
+        w = self.conv1d[...]
+        if meta.is_decode:
+            conv_flat, idx = _flat_pool(conv_pool, meta.slots, layer)
+            mixed, conv_flat = causal_conv1d_update(mixed, w, conv_flat, idx, activation="silu")
+            conv_pool = conv_flat.reshape(conv_pool.shape)
+        else:
+            init = _gather_state(conv_pool, meta, layer)
+            mixed, final = causal_conv1d_prefill(mixed, w, cu_seqlens=meta.cu_seqlens,
+                                                 initial_state=init, activation="silu")
+            conv_pool = conv_pool.at[meta.slots, layer].set(final.astype(conv_pool.dtype), mode="drop")
+        qk = self.hk * self.dk
+        q = mixed[:, :qk].reshape(t, self.hk, self.dk)
+        k = mixed[:, qk:2 * qk].reshape(t, self.hk, self.dk)
+        v = mixed[:, 2 * qk:].reshape(t, self.hv, self.dv)
+        z = self.in_proj_z(x).reshape(t, self.hv, self.dv)
+        beta = jax.nn.sigmoid(self.in_proj_b(x))
+        a = self.in_proj_a(x).astype(jnp.float32)
+        g = -jnp.exp(self.A_log[...]) * jax.nn.softplus(a + self.dt_bias[...])
+        if meta.is_decode:
+            ssm_flat, idx = _flat_pool(ssm_pool, meta.slots, layer)
+            o, ssm_flat = gdn_decode(q, k, v, g, beta, ssm_flat, idx, use_qk_l2norm=True)
+            ssm_pool = ssm_flat.reshape(ssm_pool.shape)
+        else:
+            init = _gather_state(ssm_pool, meta, layer).astype(jnp.float32)
+            o, final = gdn_prefill(q[None], k[None], v[None], g[None], beta[None],
+                                   initial_state=init, cu_seqlens=meta.cu_seqlens,
+                                   use_qk_l2norm=True)
+            o = o[0]
+            ssm_pool = ssm_pool.at[meta.slots, layer].set(final.astype(ssm_pool.dtype), mode="drop")
+        o = self.norm(o, z).reshape(t, self.hv * self.dv)
+        return self.out_proj(o), conv_pool, ssm_pool
+
+
+def _gather_state(pool, meta, layer):
+    """Initial state of each sequence: its slot's state if it has cached tokens, else zeros
+    (slots are never zeroed in memory: a fresh sequence simply does not read them)."""
+    state = pool.at[meta.slots, layer].get(mode="fill", fill_value=0)
+    keep = meta.has_state.reshape((-1,) + (1,) * (state.ndim - 1))
+    return jnp.where(keep, state, jnp.zeros_like(state))
+
+
+def _flat_pool(pool, slots, layer):
+    """View ``[P, L, ...]`` as ``[P*L, ...]`` for the decode kernels' slot indexing; padding
+    slots (>= P) map past the end and are skipped by the kernels."""
+    p, l = pool.shape[:2]
+    return pool.reshape((p * l,) + pool.shape[2:]), slots * l + layer

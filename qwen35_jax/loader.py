@@ -1,0 +1,271 @@
+"""Loading Hugging Face Qwen3.5 checkpoints, random weights, and orbax round trips.
+
+Checkpoint names map to parameters through one declarative table (in the
+manner of sglang-jax's weight mappings): a layer-relative name pattern, the
+parameter path inside the layer, and the transform from PyTorch's layout.
+Layer ``i`` lands at group ``i // interval``; inside the group it is GDN layer
+``i % interval`` or, for the last position, the attention layer, stacked on
+the parameters' leading axes.
+
+Tensors stream one at a time from memory-mapped safetensors to the device,
+where each is written into its preallocated stacked parameter by a donated
+update: host memory never holds more than one tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from tqdm.auto import tqdm
+
+from qwen35_jax.config import Qwen35Config
+from qwen35_jax.model import Qwen35ForCausalLM
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded into the model: missing, malformed or unsupported."""
+
+
+def _t(x):  # nn.Linear [out, in] -> kernel [in, out]
+    return x.T
+
+
+def _swap_last(x):  # experts [E, out, in] -> [E, in, out]
+    return jnp.swapaxes(x, -1, -2)
+
+
+def _squeeze_conv(x):  # depthwise conv1d [C, 1, K] -> [C, K]
+    return x.reshape(x.shape[0], x.shape[-1])
+
+
+def _ident(x):
+    return x
+
+
+# (layer-relative checkpoint name, parameter path inside the layer, transform).
+# Patterns are anchored regexes; a group in the pattern is substituted into the path.
+LAYER_TABLE: tuple[tuple[str, str, Callable], ...] = (
+    (r"input_layernorm\.weight", "input_layernorm.weight", _ident),
+    (r"post_attention_layernorm\.weight", "post_attention_layernorm.weight", _ident),
+    (r"linear_attn\.(in_proj_qkv|in_proj_z|in_proj_b|in_proj_a|out_proj)\.weight",
+     r"linear_attn.\1.kernel", _t),
+    (r"linear_attn\.conv1d\.weight", "linear_attn.conv1d", _squeeze_conv),
+    (r"linear_attn\.(A_log|dt_bias)", r"linear_attn.\1", _ident),
+    (r"linear_attn\.norm\.weight", "linear_attn.norm.weight", _ident),
+    (r"self_attn\.(q_proj|k_proj|v_proj|o_proj)\.weight", r"self_attn.\1.kernel", _t),
+    (r"self_attn\.(q_norm|k_norm)\.weight", r"self_attn.\1.weight", _ident),
+    (r"mlp\.(gate_proj|up_proj|down_proj)\.weight", r"mlp.\1.kernel", _t),
+    (r"mlp\.gate\.weight", "mlp.router.kernel", _t),
+    (r"mlp\.experts\.gate_up_proj", "mlp.experts_gate_up", _swap_last),
+    (r"mlp\.experts\.down_proj", "mlp.experts_down", _swap_last),
+    (r"mlp\.shared_expert\.(gate_proj|up_proj|down_proj)\.weight",
+     r"mlp.shared_expert.\1.kernel", _t),
+    (r"mlp\.shared_expert_gate\.weight", "mlp.shared_expert_gate.kernel", _t),
+)
+# Per-expert 2-D tensors (an alternative on-disk layout HF also reads): expert e's
+# gate/up rows go into its slice of the fused [E, D, 2I] tensor, down into [E, I, D].
+PER_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+TOP_TABLE = {
+    "embed_tokens.weight": ("embed_tokens.embedding", _ident),
+    "norm.weight": ("norm.weight", _ident),
+}
+PREFIXES = ("model.language_model.", "model.")
+IGNORED = re.compile(r"^(mtp\.|model\.visual\.|visual\.|model\.mtp\.)")
+LAYER = re.compile(r"layers\.(\d+)\.(.+)")
+QUANTISED_DTYPES = {"F8_E4M3", "F8_E5M2", "I8", "U8", "I4", "U4", "F4"}
+
+
+def _target(cfg: Qwen35Config, name: str):
+    """Checkpoint name -> (param path, leading index tuple, transform, expert slice) or None."""
+    if name == "lm_head.weight":
+        return ("lm_head.kernel", (), _t, None) if not cfg.tie_word_embeddings else "skip"
+    for p in PREFIXES:
+        if name.startswith(p):
+            rest = name[len(p):]
+            break
+    else:
+        return None
+    if rest in TOP_TABLE:
+        path, fn = TOP_TABLE[rest]
+        return path, (), fn, None
+    m = LAYER.fullmatch(rest)
+    if not m:
+        return None
+    i, sub = int(m.group(1)), m.group(2)
+    if i >= cfg.num_hidden_layers:
+        return None
+    period = cfg.full_attention_interval
+    g, pos = divmod(i, period)
+    base, index = ("groups.attn", (g,)) if pos == period - 1 else ("groups.gdn", (g, pos))
+    for pattern, path, fn in LAYER_TABLE:
+        pm = re.fullmatch(pattern, sub)
+        if pm:
+            return f"{base}.{pm.expand(path)}", index, fn, None
+    pm = PER_EXPERT.fullmatch(sub)
+    if pm and cfg.is_moe:
+        e, which = int(pm.group(1)), pm.group(2)
+        inter = cfg.moe_intermediate_size
+        if which == "down_proj":
+            return f"{base}.mlp.experts_down", index + (e,), _t, None
+        cols = slice(0, inter) if which == "gate_proj" else slice(inter, 2 * inter)
+        return f"{base}.mlp.experts_gate_up", index + (e,), _t, cols
+    return None
+
+
+def _shards(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    single = os.path.join(path, "model.safetensors")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        missing = [s for s in files if not os.path.exists(os.path.join(path, s))]
+        if missing:
+            raise CheckpointError(f"{path}: shard(s) listed in model.safetensors.index.json are "
+                                  f"missing: {missing}")
+        return [os.path.join(path, s) for s in files]
+    if os.path.exists(single):
+        return [single]
+    others = [f for f in os.listdir(path) if f.endswith((".bin", ".pt", ".pth", ".gguf"))]
+    if others:
+        raise CheckpointError(f"{path}: only non-safetensors weights found ({others[:3]}); "
+                              "this loader reads safetensors checkpoints")
+    raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json")
+
+
+_write = jax.jit(lambda leaf, value, index: jax.lax.dynamic_update_slice(
+    leaf, value.astype(leaf.dtype), index), donate_argnums=0)
+
+
+def abstract_model(cfg: Qwen35Config, dtype=jnp.bfloat16) -> Qwen35ForCausalLM:
+    """The model with shapes only (no memory): for compile-only work and as a load target."""
+    return nnx.eval_shape(lambda: Qwen35ForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=dtype))
+
+
+def from_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, *,
+                    config: Qwen35Config | None = None, progress: bool = True
+                    ) -> Qwen35ForCausalLM:
+    """Load a Hugging Face Qwen3.5 checkpoint directory (dense or MoE, sharded or not).
+
+    Raises CheckpointError on a missing shard or tensor, a shape mismatch, an
+    unexpected tensor, or a quantised (FP8/int) checkpoint, and ConfigError on a
+    config that is not Qwen3.5.
+    """
+    from safetensors import safe_open
+
+    path = os.fspath(path)
+    cfg = config or Qwen35Config.from_json(path)
+    graphdef, abstract = nnx.split(abstract_model(cfg, dtype))
+    flat = {".".join(map(str, k)): v for k, v in nnx.to_flat_state(abstract)}
+    leaves = {k: jnp.zeros(v.shape, v.dtype) for k, v in flat.items()}
+    filled: dict[str, set] = {k: set() for k in flat}
+    expected = {k: _coverage(cfg, k) for k in flat}
+
+    shards = _shards(path)
+    total = 0
+    for shard in shards:
+        with safe_open(shard, framework="flax") as f:
+            total += len(f.keys())
+    bar = tqdm(total=total, desc="loading weights", unit="tensor", disable=not progress)
+    for shard in shards:
+        with safe_open(shard, framework="flax") as f:
+            for name in f.keys():
+                bar.update(1)
+                if IGNORED.match(name):
+                    continue
+                dt = f.get_slice(name).get_dtype()
+                if dt in QUANTISED_DTYPES or name.endswith(("weight_scale_inv", "weight_scale")):
+                    raise CheckpointError(f"{path}: tensor {name!r} is quantised ({dt}); FP8 and "
+                                          "other quantised checkpoints are not supported, use the "
+                                          "bf16 release")
+                tgt = _target(cfg, name)
+                if tgt == "skip":
+                    continue
+                if tgt is None:
+                    raise CheckpointError(f"{path}: unexpected tensor {name!r} for a "
+                                          f"{'MoE' if cfg.is_moe else 'dense'} Qwen3.5 model")
+                ppath, index, fn, cols = tgt
+                value = fn(f.get_tensor(name))
+                leaf = leaves[ppath]
+                want = leaf.shape[len(index):]
+                if cols is not None:
+                    want = want[:-1] + (cols.stop - cols.start,)
+                if tuple(value.shape) != tuple(want):
+                    raise CheckpointError(
+                        f"{path}: tensor {name!r} has shape {tuple(value.shape)} after layout "
+                        f"conversion, but the config implies {tuple(want)}")
+                start = index + (0,) * (leaf.ndim - len(index))
+                if cols is not None:
+                    start = start[:-1] + (cols.start,)
+                leaves[ppath] = _write(leaf, value.reshape((1,) * len(index) + value.shape),
+                                       jnp.array(start, jnp.int32))
+                lead = len(_stack_index(ppath))
+                filled[ppath].add(index if len(index) == lead else
+                                  index[:lead] + ((index[lead], cols.start if cols else 0),))
+    bar.close()
+    filled = {k: _layers_covered(cfg, k, v) for k, v in filled.items()}
+    missing = [k for k in flat if not expected[k] <= filled[k]]
+    if missing:
+        details = [f"{k} (missing entries {sorted(expected[k] - filled[k])[:4]})" for k in missing]
+        raise CheckpointError(f"{path}: checkpoint lacks tensors for {details[:6]}"
+                              f"{' ...' if len(details) > 6 else ''}")
+    state = nnx.from_flat_state({tuple(_key(p) for p in k.split(".")): leaves[k] for k in flat})
+    return nnx.merge(graphdef, state)
+
+
+def _key(part: str):
+    return int(part) if part.isdigit() else part
+
+
+def _stack_index(path: str) -> tuple:
+    """The leading (stacking) index of a parameter: () top level, (g,) attention, (g, j) GDN."""
+    return (0, 0) if path.startswith("groups.gdn") else (0,) if path.startswith("groups.attn") else ()
+
+
+def _layers_covered(cfg: Qwen35Config, path: str, units: set) -> set:
+    """Layer indices fully written: directly, or by every per-expert tensor of that layer."""
+    whole = {u for u in units if not (u and isinstance(u[-1], tuple))}
+    parts: dict[tuple, set] = {}
+    for u in units - whole:
+        parts.setdefault(u[:-1], set()).add(u[-1])
+    need = cfg.num_experts * (2 if path.endswith("experts_gate_up") else 1)
+    return whole | {lead for lead, got in parts.items() if len(got) == need}
+
+
+def _coverage(cfg: Qwen35Config, path: str) -> set:
+    """The stacking indices that must be written for parameter ``path`` to be complete."""
+    if path.startswith("groups.gdn"):
+        return {(g, j) for g in range(cfg.num_groups) for j in range(cfg.gdn_per_group)}
+    if path.startswith("groups.attn"):
+        return {(g,) for g in range(cfg.num_groups)}
+    return {()}
+
+
+def init_random(cfg: Qwen35Config, seed: int = 0, dtype=jnp.bfloat16) -> Qwen35ForCausalLM:
+    """Random weights created directly on device (one jitted program), for benchmarks."""
+    graphdef, _ = nnx.split(abstract_model(cfg, dtype))
+    state = jax.jit(lambda: nnx.state(Qwen35ForCausalLM(cfg, rngs=nnx.Rngs(seed), dtype=dtype)))()
+    return nnx.merge(graphdef, state)
+
+
+def save_params(model: Qwen35ForCausalLM, path: str | os.PathLike) -> None:
+    """Save converted parameters with orbax (restores without re-reading safetensors)."""
+    import orbax.checkpoint as ocp
+
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(os.path.abspath(os.fspath(path)), nnx.state(model))
+
+
+def restore_params(path: str | os.PathLike, cfg: Qwen35Config, dtype=jnp.bfloat16
+                   ) -> Qwen35ForCausalLM:
+    import orbax.checkpoint as ocp
+
+    graphdef, abstract = nnx.split(abstract_model(cfg, dtype))
+    with ocp.StandardCheckpointer() as ckpt:
+        state = ckpt.restore(os.path.abspath(os.fspath(path)), abstract)
+    return nnx.merge(graphdef, state)

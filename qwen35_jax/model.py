@@ -1,0 +1,155 @@
+"""Qwen35ForCausalLM: embedding, the scanned layer group, final norm, LM head.
+
+The repeating group (``interval-1`` Gated DeltaNet layers, then one gated
+attention layer) is built once with stacked parameters and run with
+``lax.scan`` (the GDN layers by an inner scan), so the compiled program holds
+one copy of each layer type whatever the depth.  The whole hybrid cache rides
+in the scan carry and is indexed by layer, which keeps it one set of arrays
+that a jitted step updates in place.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from qwen35_jax.batch import Batch, step_meta
+from qwen35_jax.cache import HybridCache, SequenceCache
+from qwen35_jax.config import Qwen35Config
+from qwen35_jax.layers.attention import GatedAttention
+from qwen35_jax.layers.deltanet import GatedDeltaNet
+from qwen35_jax.layers.mlp import MLP
+from qwen35_jax.layers.moe import MoE
+from qwen35_jax.layers.norms import RMSNorm
+
+
+def _ffn(cfg: Qwen35Config, rngs, dtype):
+    if cfg.is_moe:
+        return MoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
+                   cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size,
+                   rngs=rngs, dtype=dtype)
+    return MLP(cfg.hidden_size, cfg.intermediate_size, rngs=rngs, dtype=dtype)
+
+
+class GDNDecoderLayer(nnx.Module):
+    def __init__(self, cfg, *, rngs, dtype):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.linear_attn = GatedDeltaNet(cfg, rngs=rngs, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.mlp = _ffn(cfg, rngs, dtype)
+
+    def __call__(self, h, conv, ssm, layer, meta):
+        a, conv, ssm = self.linear_attn(self.input_layernorm(h), conv, ssm, layer, meta)
+        h = h + a
+        return h + self.mlp(self.post_attention_layernorm(h)), conv, ssm
+
+
+class AttentionDecoderLayer(nnx.Module):
+    def __init__(self, cfg, *, rngs, dtype):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.self_attn = GatedAttention(cfg, rngs=rngs, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.mlp = _ffn(cfg, rngs, dtype)
+
+    def __call__(self, h, kv, layer, meta):
+        a, kv = self.self_attn(self.input_layernorm(h), kv, layer, meta)
+        h = h + a
+        return h + self.mlp(self.post_attention_layernorm(h)), kv
+
+
+def _stack(make, n: int, rngs: nnx.Rngs):
+    """Build ``n`` copies of a module with parameters stacked on a new leading axis."""
+
+    @nnx.split_rngs(splits=n)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def create(r):
+        return make(r)
+
+    return create(rngs)
+
+
+class LayerGroup(nnx.Module):
+    """``gdn_per_group`` GDN layers (stacked) followed by one attention layer."""
+
+    def __init__(self, cfg, *, rngs, dtype):
+        self.gdn = _stack(lambda r: GDNDecoderLayer(cfg, rngs=r, dtype=dtype), cfg.gdn_per_group, rngs)
+        self.attn = AttentionDecoderLayer(cfg, rngs=rngs, dtype=dtype)
+
+    def __call__(self, h, cache: HybridCache, group, meta):
+        gdef, gstate = nnx.split(self.gdn)
+        p, g, r = cache.conv.shape[:3]
+        # GDN state pools viewed as [P, G*R, ...]: layer j of group `group` is row group*R + j.
+        conv = cache.conv.reshape((p, g * r) + cache.conv.shape[3:])
+        ssm = cache.ssm.reshape((p, g * r) + cache.ssm.shape[3:])
+
+        def gdn_step(carry, xs):
+            h, conv, ssm = carry
+            j, st = xs
+            return nnx.merge(gdef, st)(h, conv, ssm, group * r + j, meta), None
+
+        (h, conv, ssm), _ = jax.lax.scan(gdn_step, (h, conv, ssm),
+                                         (jnp.arange(r, dtype=jnp.int32), gstate))
+        h, kv = self.attn(h, cache.kv, group, meta)
+        return h, HybridCache(kv=kv, conv=conv.reshape(cache.conv.shape),
+                              ssm=ssm.reshape(cache.ssm.shape))
+
+
+class Qwen35ForCausalLM(nnx.Module):
+    def __init__(self, cfg: Qwen35Config, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.config = cfg
+        self.dtype = dtype
+        self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, param_dtype=dtype,
+                                      embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
+        self.groups = _stack(lambda r: LayerGroup(cfg, rngs=r, dtype=dtype), cfg.num_groups, rngs)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.lm_head = (None if cfg.tie_word_embeddings else
+                        nnx.Linear(cfg.hidden_size, cfg.vocab_size, use_bias=False,
+                                   param_dtype=dtype, rngs=rngs))
+
+    def forward(self, batch: Batch, cache: HybridCache):
+        """One model step over a ragged batch: logits [L, vocab] (float32) at
+        ``batch.logits_indices``, and the cache with this step's KV and GDN state."""
+        meta = step_meta(batch, num_blocks=cache.num_blocks, block_size=cache.block_size)
+        h = self.embed_tokens(batch.tokens)
+        gdef, gstate = nnx.split(self.groups)
+
+        def group_step(carry, xs):
+            h, cache = carry
+            i, st = xs
+            return nnx.merge(gdef, st)(h, cache, i, meta), None
+
+        (h, cache), _ = jax.lax.scan(
+            group_step, (h, cache),
+            (jnp.arange(self.config.num_groups, dtype=jnp.int32), gstate))
+        return self.logits(h[batch.logits_indices]), cache
+
+    def logits(self, h):
+        h = self.norm(h)
+        if self.lm_head is None:
+            out = self.embed_tokens.attend(h)
+        else:
+            out = self.lm_head(h)
+        return out.astype(jnp.float32)
+
+    def __call__(self, input_ids, cache: SequenceCache | None = None):
+        """Logits ``[B, T, vocab]`` for equal-length rows; with ``cache``, the rows continue
+        from it and ``(logits, cache)`` is returned.  T == 1 takes the recurrent path."""
+        b, t = input_ids.shape
+        given = cache is not None
+        if not given:
+            cache = SequenceCache.allocate(self.config, b, t, dtype=self.dtype)
+        m = cache.cache.num_blocks // b
+        batch = Batch(
+            tokens=input_ids.reshape(-1).astype(jnp.int32),
+            cu_seqlens=jnp.arange(b + 1, dtype=jnp.int32) * t,
+            start_pos=cache.lengths,
+            slots=jnp.arange(b, dtype=jnp.int32),
+            block_tables=jnp.arange(b * m, dtype=jnp.int32).reshape(b, m),
+            logits_indices=jnp.arange(b * t, dtype=jnp.int32),
+            is_decode=(t == 1))
+        logits, hc = self.forward(batch, cache.cache)
+        logits = logits.reshape(b, t, -1)
+        if given:
+            return logits, SequenceCache(cache=hc, lengths=cache.lengths + t)
+        return logits

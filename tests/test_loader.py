@@ -1,0 +1,122 @@
+"""Bad checkpoints raise the documented errors; converted parameters round-trip through orbax."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from checkpoints import save_official
+from hf_reference import hf_model
+from qwen35_jax import (CheckpointError, ConfigError, from_pretrained, get_preset,
+                        restore_params, save_params)
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory):
+    cfg = get_preset("tiny-moe")
+    path = str(tmp_path_factory.mktemp("good"))
+    save_official(hf_model(cfg, seed=7), path)
+    return cfg, path
+
+
+def copy(good, tmp_path):
+    dst = str(tmp_path / "ckpt")
+    shutil.copytree(good[1], dst)
+    return dst
+
+
+def shard_of(path, name):
+    with open(os.path.join(path, "model.safetensors.index.json")) as f:
+        return os.path.join(path, json.load(f)["weight_map"][name])
+
+
+def rewrite(path, name, fn):
+    shard = shard_of(path, name)
+    tensors = load_file(shard)
+    fn(tensors)
+    save_file(tensors, shard, metadata={"format": "pt"})
+
+
+def test_missing_shard(good, tmp_path):
+    path = copy(good, tmp_path)
+    os.remove(os.path.join(path, "model-00002-of-00003.safetensors"))
+    with pytest.raises(CheckpointError, match="model-00002-of-00003.safetensors"):
+        from_pretrained(path, progress=False)
+
+
+def test_missing_tensor_is_named(good, tmp_path):
+    path = copy(good, tmp_path)
+    name = "model.language_model.layers.5.linear_attn.A_log"
+    rewrite(path, name, lambda t: t.pop(name))
+    with pytest.raises(CheckpointError, match=r"groups\.gdn\.linear_attn\.A_log.*\(1, 1\)"):
+        from_pretrained(path, progress=False)
+
+
+def test_wrong_shape(good, tmp_path):
+    path = copy(good, tmp_path)
+    name = "model.language_model.layers.3.self_attn.k_proj.weight"
+    rewrite(path, name, lambda t: t.update({name: torch.zeros(7, 64)}))
+    with pytest.raises(CheckpointError, match=r"k_proj.weight.*\(64, 7\).*\(64, 64\)"):
+        from_pretrained(path, progress=False)
+
+
+def test_unexpected_tensor(good, tmp_path):
+    path = copy(good, tmp_path)
+    name = "model.language_model.layers.0.input_layernorm.weight"
+    rewrite(path, name, lambda t: t.update({"model.language_model.layers.0.foo.bias": torch.zeros(3)}))
+    with pytest.raises(CheckpointError, match="unexpected tensor.*foo.bias"):
+        from_pretrained(path, progress=False)
+
+
+def test_wrong_model_type(good, tmp_path):
+    path = copy(good, tmp_path)
+    cfg_path = os.path.join(path, "config.json")
+    d = json.load(open(cfg_path))
+    d["model_type"] = "qwen3_next"
+    json.dump(d, open(cfg_path, "w"))
+    with pytest.raises(ConfigError, match="qwen3_next"):
+        from_pretrained(path, progress=False)
+
+
+def test_fp8_weights_are_refused_plainly(good, tmp_path):
+    path = copy(good, tmp_path)
+    name = "model.language_model.layers.0.linear_attn.out_proj.weight"
+    rewrite(path, name, lambda t: t.update({name: t[name].to(torch.float8_e4m3fn)}))
+    with pytest.raises(CheckpointError, match="quantised.*F8_E4M3.*not supported"):
+        from_pretrained(path, progress=False)
+
+
+def test_quantization_config_is_refused(good, tmp_path):
+    path = copy(good, tmp_path)
+    cfg_path = os.path.join(path, "config.json")
+    d = json.load(open(cfg_path))
+    d["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    json.dump(d, open(cfg_path, "w"))
+    with pytest.raises(ConfigError, match="quantised checkpoints \\(fp8\\)"):
+        from_pretrained(path, progress=False)
+
+
+def test_pytorch_bin_only(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(get_preset("tiny").to_hf_text_dict()))
+    (tmp_path / "pytorch_model.bin").write_bytes(b"x")
+    with pytest.raises(CheckpointError, match="non-safetensors"):
+        from_pretrained(tmp_path, progress=False)
+
+
+def test_orbax_round_trip(good, tmp_path):
+    cfg, path = good
+    model = from_pretrained(path, dtype=jnp.float32, progress=False)
+    save_params(model, tmp_path / "orbax")
+    back = restore_params(tmp_path / "orbax", cfg, dtype=jnp.float32)
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 20)))
+    np.testing.assert_array_equal(np.asarray(back(ids)), np.asarray(model(ids)))
+    a = jax.tree.leaves(back.groups.gdn.mlp.experts_gate_up)[0]
+    assert a.shape == (2, 3, 8, 64, 64)
