@@ -360,14 +360,14 @@ PRESETS: dict[str, Qwen35Config] = {c.name: c for c in (
                  num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                  linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
                  linear_value_head_dim=32, layer_types=_layers(8), intermediate_size=128,
-                 max_position_embeddings=4096, eos_token_ids=(1,)),
+                 max_position_embeddings=4096, eos_token_ids=(1, 0)),
     Qwen35Config(name="tiny-moe", vocab_size=512, hidden_size=64, num_hidden_layers=8,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                  linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
                  linear_value_head_dim=32, layer_types=_layers(8), num_experts=8,
                  num_experts_per_tok=2, moe_intermediate_size=32,
                  shared_expert_intermediate_size=48, max_position_embeddings=4096,
-                 eos_token_ids=(1,)),
+                 eos_token_ids=(1, 0)),
 )}
 
 

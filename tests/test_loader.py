@@ -120,3 +120,21 @@ def test_orbax_round_trip(good, tmp_path):
     np.testing.assert_array_equal(np.asarray(back(ids)), np.asarray(model(ids)))
     a = jax.tree.leaves(back.groups.gdn.mlp.experts_gate_up)[0]
     assert a.shape == (2, 3, 8, 64, 64)
+
+
+def test_init_random_makes_every_parameter_on_device():
+    from flax import nnx
+
+    from qwen35_jax import init_random
+
+    cfg = get_preset("tiny-moe")
+    model = init_random(cfg, seed=3, dtype=jnp.bfloat16)
+    leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
+    assert all(isinstance(x, jax.Array) for x in leaves)
+    assert model.groups.attn.self_attn.q_proj.kernel[...].dtype == jnp.bfloat16
+    assert model.groups.gdn.linear_attn.A_log[...].dtype == jnp.float32  # decay stays float32
+    logits = model(jnp.arange(12, dtype=jnp.int32)[None])
+    assert logits.shape == (1, 12, cfg.vocab_size) and bool(jnp.isfinite(logits).all())
+    other = init_random(cfg, seed=4, dtype=jnp.bfloat16)
+    assert not np.array_equal(np.asarray(other.lm_head.kernel[...]),
+                              np.asarray(model.lm_head.kernel[...]))
