@@ -13,22 +13,31 @@ import jax
 
 # GDN chunked prefill: bv = V tile of the state kept per program (state tile
 # [dk, bv] fp32), warps / stages for the intra-chunk and main kernels.
-# inverse: "subst" (row forward substitution, fp32), "neumann" (product form,
-# IEEE fp32 matmuls) or "neumann_tf32"; m_dtype: storage of M = T diag(beta)
-# between the two launches for 16-bit inputs (float32 inputs keep float32).
-_PREFILL_BASE = dict(bv=64, intra_warps=4, intra_stages=2, main_warps=4, main_stages=2,
-                     inverse="subst", m_dtype="float32")
+# inverse: "subst" (row forward substitution, fp32), "neumann" (product form
+# (I+N)(I+N^2)...(I+N^32) on 64x64) or "block32" (product form on two 32x32
+# diagonal blocks + one merge); the products run in tf32 for 16-bit inputs and
+# IEEE fp32 for float32 inputs.
+# mode: "M" (the intra launch writes M = T diag(beta), the main launch forms
+# v_new = M (V - e^gamma K S)) or "wu" (intra writes w = M (e^gamma K) and
+# u = M V in the input dtype, main forms v_new = u - w S; block32 only).
+# m_dtype: storage of M for 16-bit inputs (float32 inputs keep float32).
+_PREFILL_BASE = dict(bv=32, intra_warps=4, intra_stages=2, main_warps=4, main_stages=2,
+                     inverse="block32", mode="wu", m_dtype="bfloat16")
 GDN_PREFILL = {
+    # H200 2026-11-30 (bench/RESULTS.md, run 2): block32 + wu + bv 32 fastest of 14
     "sm90": dict(_PREFILL_BASE),
+    # Blackwell: not measured yet; starts from the Hopper entry
     "sm100": dict(_PREFILL_BASE),
     "default": dict(_PREFILL_BASE),
 }
 
 # GDN decode: state tile [dk, bv] per program.
 GDN_DECODE = {
-    "sm90": dict(bv=32, warps=4, stages=2),
-    "sm100": dict(bv=32, warps=4, stages=2),
-    "default": dict(bv=32, warps=4, stages=2),
+    # H200 2026-11-30 (bench/RESULTS.md, run 3): bv 64 / 4 warps best of 12 for
+    # both fp32 (87% of copy bandwidth at N256 Hv64) and bf16 state (71%)
+    "sm90": dict(bv=64, warps=4, stages=2),
+    "sm100": dict(bv=64, warps=4, stages=2),
+    "default": dict(bv=64, warps=4, stages=2),
 }
 
 # causal conv1d: token block bt x channel block bc.

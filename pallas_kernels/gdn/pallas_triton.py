@@ -5,19 +5,24 @@ The same bodies run on an NVIDIA GPU through the Pallas Triton backend
 in interpret mode (`interpret=True`), which is how the CPU test suite checks
 them.
 
-Prefill is two launches:
+Prefill is two launches (variants chosen by ``tuning.GDN_PREFILL``):
 
-1. ``_intra_kernel``, grid (chunk, value head), fully parallel over the chunk
+1. intra launch, grid (chunk, value head), fully parallel over the chunk
    table: chunk-local cumulative gate gamma, the strictly lower matrix
-   A_ij = beta_i k_i.k_j exp(gamma_i - gamma_j) (i > j), T = (I + A)^-1 by
-   row-wise forward substitution in fp32, and M = T diag(beta).
+   A_ij = beta_i k_i.k_j exp(gamma_i - gamma_j) (i > j) and T = (I + A)^-1,
+   by row forward substitution (inverse="subst"), by the product form
+   (I+N)(I+N^2)...(I+N^32), N = -A (inverse="neumann"), or by that product
+   form on two 32x32 diagonal blocks plus T_ba = -T_bb A_ba T_aa
+   (inverse="block32", ``_intra32_kernel``); products in tf32 for 16-bit
+   inputs, IEEE fp32 for float32 inputs.  It writes M = T diag(beta)
+   (mode="M") or w = M (e^gamma K) and u = M V (mode="wu").
 2. ``_main_kernel``, grid (sequence, value head, V tile): one program walks its
    sequence's chunks keeping the fp32 state tile [dk, BV] in registers:
-      KS = K S;  Vd = M (V - e^gamma * KS)
+      Vd = M (V - e^gamma * (K S))        (mode "M")   or   Vd = u - w S   ("wu")
       O  = scale (e^gamma * (Q S) + ((Q K^T) . e^{gamma_i - gamma_j} [i >= j]) Vd)
       S  = e^{gamma_C} S + (e^{gamma_C - gamma} * K)^T Vd
-   (the v_new = T diag(beta) (V - e^gamma K S) form of FlashInfer / FlashQLA:
-   W and U are never materialised).
+   (the v_new = T diag(beta) (V - e^gamma K S) form of FlashInfer / FlashQLA).
+   The last sequence's programs also zero the padding rows past cu[N].
 
 Decode: grid (row, value head, V tile), state tile [dk, BV] read from the pool
 slot, updated, written back in place (input_output_aliases).
@@ -82,6 +87,105 @@ def _rsqrt_norm(x):
 # ----------------------------------------------------------------------------
 # prefill kernel 1: intra-chunk inverse
 # ----------------------------------------------------------------------------
+def _inv_prec(mm_dtype):
+    # 16-bit inputs: tf32 tensor-core products for the inverse; fp32 inputs: IEEE
+    return _HI if mm_dtype == jnp.float32 else lax.Precision.DEFAULT
+
+
+def _neumann_inverse(A, eye, levels, prec):
+    """(I + A)^-1 for strictly lower A of size 2**levels: with N = -A nilpotent,
+    (I + A)^-1 = (I+N)(I+N^2)(I+N^4)...(I+N^(2**(levels-1)))."""
+    dn = (((1,), (0,)), ((), ()))
+    mm = lambda a, b: lax.dot_general(a, b, dn, precision=prec,
+                                      preferred_element_type=jnp.float32)
+    Nm = -A
+    T = eye + Nm
+    P = Nm
+    for _ in range(levels - 1):
+        P = mm(P, P)
+        T = T + mm(T, P)
+    return T
+
+
+def _intra32_kernel(start_ref, len_ref, k_ref, v_ref, g_ref, b_ref, *out_refs,
+                    ratio, use_l2, mm_dtype, mode):
+    """Intra-chunk part with the 64x64 inverse split in two 32-row blocks:
+    T_aa, T_bb by the product form on 32x32 (4 squarings each), then
+    T_ba = -T_bb A_ba T_aa.  mode "M": writes M = T diag(beta) [64,64];
+    mode "wu": writes w = M (e^gamma * K) [64,dk] and u = M V [64,dv]."""
+    c = pl.program_id(0)
+    h = pl.program_id(1)
+    hk = h // ratio
+    H = CHUNK // 2
+    start = start_ref[c]
+    n = len_ref[c]
+    dk = k_ref.shape[-1]
+    rk = lax.broadcasted_iota(jnp.int32, (H, dk), 0)
+    pos = lax.broadcasted_iota(jnp.int32, (H,), 0)
+
+    def load_half(off):
+        km = (rk + off) < n
+        k = _load(k_ref.at[pl.ds(start + off, H), hk, :], mask=km, other=0.0).astype(jnp.float32)
+        if use_l2:
+            k = _rsqrt_norm(k)
+        vm = (pos + off) < n
+        g = _load(g_ref.at[pl.ds(start + off, H), h], mask=vm, other=0.0).astype(jnp.float32)
+        b = _load(b_ref.at[pl.ds(start + off, H), h], mask=vm, other=0.0).astype(jnp.float32)
+        return k, jnp.where(vm, g, 0.0), jnp.where(vm, b, 0.0)
+
+    ka, ga, ba = load_half(0)
+    kb, gb, bb = load_half(H)
+    gam_a = jnp.cumsum(ga, axis=0)
+    gam_b = jnp.cumsum(gb, axis=0) + jnp.sum(ga)
+    ri = lax.broadcasted_iota(jnp.int32, (H, H), 0)
+    ci = lax.broadcasted_iota(jnp.int32, (H, H), 1)
+    strict = ri > ci
+    eye = jnp.where(ri == ci, 1.0, 0.0).astype(jnp.float32)
+
+    def diag_block(k, gam, b):
+        kk = _mm(k, k, tb=True, mm_dtype=mm_dtype)
+        d = jnp.where(strict, gam[:, None] - gam[None, :], 0.0)
+        return jnp.where(strict, kk * jnp.exp(d) * b[:, None], 0.0)
+
+    A_aa = diag_block(ka, gam_a, ba)
+    A_bb = diag_block(kb, gam_b, bb)
+    A_ba = _mm(kb, ka, tb=True, mm_dtype=mm_dtype) * jnp.exp(
+        gam_b[:, None] - gam_a[None, :]) * bb[:, None]
+    prec = _inv_prec(mm_dtype)
+    T_aa = _neumann_inverse(A_aa, eye, 5, prec)
+    T_bb = _neumann_inverse(A_bb, eye, 5, prec)
+    dn = (((1,), (0,)), ((), ()))
+    mmp = lambda a, b: lax.dot_general(a, b, dn, precision=prec,
+                                       preferred_element_type=jnp.float32)
+    T_ba = -mmp(T_bb, mmp(A_ba, T_aa))
+    M_aa = T_aa * ba[None, :]
+    M_ba = T_ba * ba[None, :]
+    M_bb = T_bb * bb[None, :]
+    if mode == "M":
+        m_ref, gam_ref = out_refs
+        d = m_ref.dtype
+        m_ref[c, h, pl.ds(0, H), pl.ds(0, H)] = M_aa.astype(d)
+        m_ref[c, h, pl.ds(0, H), pl.ds(H, H)] = jnp.zeros((H, H), d)
+        m_ref[c, h, pl.ds(H, H), pl.ds(0, H)] = M_ba.astype(d)
+        m_ref[c, h, pl.ds(H, H), pl.ds(H, H)] = M_bb.astype(d)
+    else:
+        w_ref, u_ref, gam_ref = out_refs
+        dv = v_ref.shape[-1]
+        rv = lax.broadcasted_iota(jnp.int32, (H, dv), 0)
+        va = _load(v_ref.at[pl.ds(start, H), h, :], mask=rv < n, other=0.0)
+        vb = _load(v_ref.at[pl.ds(start + H, H), h, :], mask=(rv + H) < n, other=0.0)
+        kga = ka * jnp.exp(gam_a)[:, None]
+        kgb = kb * jnp.exp(gam_b)[:, None]
+        mm = functools.partial(_mm, mm_dtype=mm_dtype)
+        d = w_ref.dtype
+        w_ref[c, h, pl.ds(0, H), :] = mm(M_aa, kga).astype(d)
+        w_ref[c, h, pl.ds(H, H), :] = (mm(M_ba, kga) + mm(M_bb, kgb)).astype(d)
+        u_ref[c, h, pl.ds(0, H), :] = mm(M_aa, va).astype(d)
+        u_ref[c, h, pl.ds(H, H), :] = (mm(M_ba, va) + mm(M_bb, vb)).astype(d)
+    gam_ref[c, h, pl.ds(0, H)] = gam_a
+    gam_ref[c, h, pl.ds(H, H)] = gam_b
+
+
 def _intra_kernel(start_ref, len_ref, k_ref, g_ref, b_ref, m_ref, gam_ref, *,
                   ratio, use_l2, mm_dtype, inverse):
     c = pl.program_id(0)
@@ -121,17 +225,7 @@ def _intra_kernel(start_ref, len_ref, k_ref, g_ref, b_ref, m_ref, gam_ref, *,
         T = lax.fori_loop(1, L, body, eye)
     else:
         # N = -A is nilpotent (N^64 = 0): (I + A)^-1 = (I+N)(I+N^2)(I+N^4)...(I+N^32)
-        # "neumann_tf32": tensor-core tf32 products; "neumann": IEEE fp32.
-        prec = lax.Precision.DEFAULT if inverse == "neumann_tf32" else _HI
-        dn = (((1,), (0,)), ((), ()))
-        mm = lambda a, b: lax.dot_general(a, b, dn, precision=prec,
-                                          preferred_element_type=jnp.float32)
-        Nm = -A
-        T = eye + Nm
-        P = Nm
-        for _ in range(5):
-            P = mm(P, P)
-            T = T + mm(T, P)
+        T = _neumann_inverse(A, eye, 6, _inv_prec(mm_dtype))
     m_ref[c, h, :, :] = (T * beta[None, :]).astype(m_ref.dtype)
     gam_ref[c, h, :] = gam
 
@@ -142,7 +236,9 @@ def _intra_kernel(start_ref, len_ref, k_ref, g_ref, b_ref, m_ref, gam_ref, *,
 def _main_kernel(cu_ref, sfirst_ref, snch_ref, start_ref, len_ref,
                  q_ref, k_ref, v_ref, m_ref, gam_ref, init_ref,
                  o_ref, fin_ref, *, ratio, use_l2, scale, mm_dtype, bv,
-                 has_init, n_seq, total_rows):
+                 has_init, n_seq, total_rows, mode):
+    """mode "M": v_ref = v (tokens), m_ref = M [C,Hv,64,64];
+    mode "wu": v_ref = u [C,Hv,64,dv], m_ref = w [C,Hv,64,dk]."""
     s = pl.program_id(0)
     h = pl.program_id(1)
     iv = pl.program_id(2)
@@ -170,18 +266,24 @@ def _main_kernel(cu_ref, sfirst_ref, snch_ref, start_ref, len_ref,
         vm = rows_v < n
         q = _load(q_ref.at[pl.ds(start, L), hk, :], mask=km, other=0.0).astype(jnp.float32)
         k = _load(k_ref.at[pl.ds(start, L), hk, :], mask=km, other=0.0).astype(jnp.float32)
-        v = _load(v_ref.at[pl.ds(start, L), h, pl.ds(v0, bv)], mask=vm, other=0.0).astype(jnp.float32)
         if use_l2:
             q = _rsqrt_norm(q)
             k = _rsqrt_norm(k)
         q = q * scale
-        M = m_ref[c, h, :, :].astype(jnp.float32)
         gam = gam_ref[c, h, :]
         eg = jnp.exp(gam)
         gl = jnp.sum(jnp.where(pos == L - 1, gam, 0.0))
-        ks = _mm(k, S, mm_dtype=mm_dtype)
-        wp = v - eg[:, None] * ks
-        vd = _mm(M, wp, mm_dtype=mm_dtype)
+        if mode == "M":
+            v = _load(v_ref.at[pl.ds(start, L), h, pl.ds(v0, bv)], mask=vm,
+                      other=0.0).astype(jnp.float32)
+            M = m_ref[c, h, :, :].astype(jnp.float32)
+            ks = _mm(k, S, mm_dtype=mm_dtype)
+            wp = v - eg[:, None] * ks
+            vd = _mm(M, wp, mm_dtype=mm_dtype)
+        else:
+            u = v_ref[c, h, :, pl.ds(v0, bv)].astype(jnp.float32)
+            w = m_ref[c, h, :, :]
+            vd = u - _mm(w, S, mm_dtype=mm_dtype)
         qs = _mm(q, S, mm_dtype=mm_dtype)
         qk = _mm(q, k, tb=True, mm_dtype=mm_dtype)
         p = jnp.where(causal, qk * jnp.exp(jnp.where(causal, gam[:, None] - gam[None, :], 0.0)), 0.0)
@@ -244,28 +346,55 @@ def gdn_prefill_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
     mm_dtype = jnp.float32 if q.dtype == jnp.float32 else jnp.bfloat16
     ratio = Hv // Hk
 
-    m, gam = pl.pallas_call(
-        functools.partial(_intra_kernel, ratio=ratio, use_l2=use_qk_l2norm,
-                          mm_dtype=mm_dtype, inverse=cfg["inverse"]),
-        out_shape=(jax.ShapeDtypeStruct((C, Hv, CHUNK, CHUNK),
-                                        jnp.dtype(cfg["m_dtype"]) if mm_dtype != jnp.float32
-                                        else jnp.float32),
-                   jax.ShapeDtypeStruct((C, Hv, CHUNK), jnp.float32)),
-        grid=(C, Hv),
-        compiler_params=_compiler_params(cfg["intra_warps"], cfg["intra_stages"]),
-        interpret=interpret,
-        name="gdn_intra",
-    )(tab["start"], tab["length"], kf, gf, bf)
-
+    inverse = cfg["inverse"]
+    mode = cfg["mode"]
+    st_dtype = (jnp.dtype(cfg["m_dtype"]) if mm_dtype != jnp.float32 else jnp.float32)
+    if mode == "wu" and inverse != "block32":
+        raise ValueError("mode 'wu' needs inverse='block32'")
+    if inverse == "block32":
+        if mode == "M":
+            outs = (jax.ShapeDtypeStruct((C, Hv, CHUNK, CHUNK), st_dtype),
+                    jax.ShapeDtypeStruct((C, Hv, CHUNK), jnp.float32))
+        else:
+            wu_dtype = mm_dtype
+            outs = (jax.ShapeDtypeStruct((C, Hv, CHUNK, dk), wu_dtype),
+                    jax.ShapeDtypeStruct((C, Hv, CHUNK, dv), wu_dtype),
+                    jax.ShapeDtypeStruct((C, Hv, CHUNK), jnp.float32))
+        intra = pl.pallas_call(
+            functools.partial(_intra32_kernel, ratio=ratio, use_l2=use_qk_l2norm,
+                              mm_dtype=mm_dtype, mode=mode),
+            out_shape=outs,
+            grid=(C, Hv),
+            compiler_params=_compiler_params(cfg["intra_warps"], cfg["intra_stages"]),
+            interpret=interpret,
+            name="gdn_intra32",
+        )(tab["start"], tab["length"], kf, vf, gf, bf)
+    else:
+        intra = pl.pallas_call(
+            functools.partial(_intra_kernel, ratio=ratio, use_l2=use_qk_l2norm,
+                              mm_dtype=mm_dtype, inverse=inverse),
+            out_shape=(jax.ShapeDtypeStruct((C, Hv, CHUNK, CHUNK), st_dtype),
+                       jax.ShapeDtypeStruct((C, Hv, CHUNK), jnp.float32)),
+            grid=(C, Hv),
+            compiler_params=_compiler_params(cfg["intra_warps"], cfg["intra_stages"]),
+            interpret=interpret,
+            name="gdn_intra",
+        )(tab["start"], tab["length"], kf, gf, bf)
+    if mode == "M":
+        m, gam = intra
+        x_in, y_in = vf, m
+    else:
+        w, u, gam = intra
+        x_in, y_in = u, w
     if _only_intra:
-        return m, gam
+        return intra
     has_init = initial_state is not None
     init = (initial_state.astype(jnp.float32) if has_init
             else jnp.zeros((1, 1, 1, 1), jnp.float32))
     o, fin = pl.pallas_call(
         functools.partial(_main_kernel, ratio=ratio, use_l2=use_qk_l2norm,
                           scale=float(scale), mm_dtype=mm_dtype, bv=bv,
-                          has_init=has_init, n_seq=N, total_rows=TT),
+                          has_init=has_init, n_seq=N, total_rows=TT, mode=mode),
         out_shape=(jax.ShapeDtypeStruct((rows, Hv, dv), v.dtype),
                    jax.ShapeDtypeStruct((N, Hv, dk, dv), jnp.float32)),
         grid=(N, Hv, dv // bv),
@@ -273,7 +402,7 @@ def gdn_prefill_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
         interpret=interpret,
         name="gdn_chunk_main",
     )(cu, tab["seq_first_chunk"], tab["seq_nchunks"], tab["start"], tab["length"],
-      qf, kf, vf, m, gam, init)
+      qf, kf, x_in, y_in, gam, init)
     o = o[:TT].reshape(B, T, Hv, dv)
     return o, (fin if output_final_state else None)
 

@@ -13,8 +13,6 @@ Everything inside is float32 with HIGHEST matmul precision.
 """
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 from jax import lax

@@ -1,0 +1,578 @@
+"""Benchmark + on-GPU correctness for the GDN / conv1d kernels (issue 3).
+
+    python -m bench.kernels [--quick] [--parts check,prefill,decode,conv]
+                            [--variants] [--no-fla] [--out DIR]
+
+Order: environment, ceilings (copy bandwidth, bf16 matmul, measured here),
+float64-oracle checks of every Pallas kernel on the GPU, then for each shape
+our kernel and FLA (``fla.ops.gated_delta_rule``) on the same inputs: a
+correctness comparison first, then the timings.  JAX timings: median over
+reps of (n back-to-back calls / n), n chosen so a sample lasts >= 2 ms; FLA:
+``triton.testing.do_bench`` median.  Results are printed as a table and
+written as JSON to --out (default $OUT or ./out).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import numpy as np  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from pallas_kernels import oracle  # noqa: E402
+from pallas_kernels.conv1d import causal_conv1d_prefill, causal_conv1d_update  # noqa: E402
+from pallas_kernels.gdn import gdn_decode, gdn_prefill  # noqa: E402
+from pallas_kernels.gdn.pallas_triton import gdn_prefill_pallas  # noqa: E402
+from pallas_kernels.tuning import gpu_arch  # noqa: E402
+
+FLOP_PER_TOKEN_HEAD = 180e3
+RESULTS: dict = {"rows": [], "checks": [], "errors": []}
+OUTDIR = None
+BACKEND = "pallas"  # --backend interpret: CPU dry run of this script
+TINY = False
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def save():
+    if OUTDIR:
+        with open(os.path.join(OUTDIR, "bench.json"), "w") as f:
+            json.dump(RESULTS, f, indent=1, default=str)
+
+
+def block(x):
+    jax.tree_util.tree_map(lambda a: a.block_until_ready() if hasattr(a, "block_until_ready") else a, x)
+
+
+def time_jax(call, reps=30, min_sample_s=2e-3):
+    """call() dispatches one run and returns its outputs."""
+    block(call())
+    t0 = time.perf_counter()
+    block(call())
+    one = time.perf_counter() - t0
+    n = max(1, min(200, int(min_sample_s / max(one, 1e-6))))
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = None
+        for _ in range(n):
+            out = call()
+        block(out)
+        samples.append((time.perf_counter() - t0) / n)
+    return statistics.median(samples) * 1e3, (min(samples) * 1e3, max(samples) * 1e3)
+
+
+def time_torch(fn):
+    import triton
+    return triton.testing.do_bench(fn, warmup=25, rep=300, return_mode="median")
+
+
+# ----------------------------------------------------------------------------
+def ceilings(quick):
+    n = (1 << 20) if TINY else (1 << 30)  # 1 Gi bf16 elements = 2 GiB
+    a = jnp.ones((n,), jnp.bfloat16) * jnp.bfloat16(1.5)
+    f = jax.jit(lambda x: x * 1)
+    ms, _ = time_jax(lambda: f(a), reps=10)
+    bw = 2 * 2 * n / (ms * 1e-3)
+    del a
+    log(f"copy bandwidth (jit x*1, 2 GiB bf16, read+write): {bw / 1e12:.2f} TB/s ({ms:.3f} ms)")
+    RESULTS["copy_bw_Bps"] = bw
+    try:
+        import torch
+        t = torch.empty(n, dtype=torch.bfloat16, device="cuda")
+        u = torch.empty_like(t)
+        tms = time_torch(lambda: u.copy_(t))
+        RESULTS["torch_copy_bw_Bps"] = 2 * 2 * n / (tms * 1e-3)
+        log(f"copy bandwidth (torch copy_): {RESULTS['torch_copy_bw_Bps'] / 1e12:.2f} TB/s")
+        del t, u
+        torch.cuda.empty_cache()
+    except Exception as e:  # noqa: BLE001
+        log("torch copy failed:", e)
+    m = 256 if TINY else 8192
+    x = jax.random.normal(jax.random.key(0), (m, m), jnp.bfloat16)
+    y = jax.random.normal(jax.random.key(1), (m, m), jnp.bfloat16)
+    mm = jax.jit(lambda p, q: p @ q)
+    ms, _ = time_jax(lambda: mm(x, y), reps=10)
+    RESULTS["bf16_matmul_flops"] = 2 * m ** 3 / (ms * 1e-3)
+    log(f"bf16 matmul 8192^3 (XLA): {RESULTS['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s")
+    return bw
+
+
+# ----------------------------------------------------------------------------
+def _rand_gdn(key, T, Hk, Hv, dk, dv, dtype):
+    ks = jax.random.split(key, 5)
+    q = jax.random.normal(ks[0], (1, T, Hk, dk), jnp.float32).astype(dtype)
+    k = jax.random.normal(ks[1], (1, T, Hk, dk), jnp.float32).astype(dtype)
+    v = jax.random.normal(ks[2], (1, T, Hv, dv), jnp.float32).astype(dtype)
+    g = jnp.log(jax.random.uniform(ks[3], (1, T, Hv), jnp.float32, 0.85, 0.999))
+    beta = jax.random.uniform(ks[4], (1, T, Hv), jnp.float32, 0.05, 1.0)
+    return q, k, v, g, beta
+
+
+def _f64(a):
+    return np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+
+
+def check(name, err, tol):
+    ok = bool(np.isfinite(err) and err <= tol)
+    RESULTS["checks"].append(dict(name=name, rel_err=err, tol=tol, ok=ok))
+    log(f"  check {name:58s} rel_err {err:.2e} (tol {tol:.0e}) {'ok' if ok else 'FAIL'}")
+    return ok
+
+
+PREFILL_CHECK_CFGS = [None, dict(inverse="block32"), dict(inverse="block32", mode="wu"),
+                      dict(inverse="subst")]
+
+
+def _cfgs(cfg):
+    return json.dumps(cfg, separators=(",", ":")) if cfg else "default"
+
+
+def small_checks():
+    log("== float64-oracle checks on the GPU (backend=pallas) ==")
+    rng = np.random.default_rng(int(time.time()))
+    key = jax.random.key(int(rng.integers(1 << 30)))
+    lens = [65, 0, 1, 130, 63, 64, 200]
+    pad = 9
+    T = sum(lens) + pad
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    for dtype, tol in ((jnp.float32, 1e-4), (jnp.bfloat16, 1e-2)):
+      for pcfg in PREFILL_CHECK_CFGS:
+        for Hk, Hv, dk, dv in (((2, 4, 32, 32),) if TINY else ((2, 8, 128, 128), (4, 4, 64, 128))):
+            key, k1, k2 = jax.random.split(key, 3)
+            q, k, v, g, beta = _rand_gdn(k1, T, Hk, Hv, dk, dv, dtype)
+            init = jax.random.normal(k2, (len(lens), Hv, dk, dv), jnp.float32) * 0.3
+            try:
+                o, fin = jax.jit(lambda c, *a: gdn_prefill(
+                    *a, initial_state=init, cu_seqlens=c, use_qk_l2norm=True,
+                    backend=BACKEND, config=pcfg))(jnp.asarray(cu), q, k, v, g, beta)
+                o_ref, f_ref = oracle.gdn_prefill_oracle(
+                    _f64(q[0]), _f64(k[0]), _f64(v[0]), _f64(g[0]), _f64(beta[0]), cu,
+                    _f64(init), dk ** -0.5, True)
+                tag = f"prefill {jnp.dtype(dtype).name} Hk{Hk} Hv{Hv} dk{dk} {_cfgs(pcfg)}"
+                check(tag + " o", oracle.rel_err(_f64(o[0]), o_ref), tol)
+                check(tag + " state", oracle.rel_err(_f64(fin), f_ref), tol)
+                check(tag + " pad==0", float(np.abs(_f64(o[0, cu[-1]:])).max()), 0.0)
+            except Exception as e:  # noqa: BLE001
+                log("  prefill check FAILED to run:", repr(e)[:2000])
+                RESULTS["errors"].append(("prefill_check", repr(e)[:4000]))
+    # decode
+    for sdt, tol in ((jnp.float32, 1e-4), (jnp.bfloat16, 1e-2)):
+        Hk, Hv, dk, dv, P = (2, 4, 32, 32, 10) if TINY else (2, 8, 128, 128, 10)
+        slots = np.array([3, -1, 0, 12, 9, 5], np.int32)
+        N = len(slots)
+        key, k1, k2 = jax.random.split(key, 3)
+        q, k, v, g, beta = (a[0] for a in _rand_gdn(k1, N, Hk, Hv, dk, dv, jnp.float32))
+        pool = (jax.random.normal(k2, (P, Hv, dk, dv), jnp.float32) * 0.3).astype(sdt)
+        before = _f64(pool)
+        try:
+            o, newp = jax.jit(lambda p, s, *a: gdn_decode(*a, p, s, use_qk_l2norm=True,
+                                                          backend=BACKEND),
+                              donate_argnums=0)(pool, jnp.asarray(slots), q, k, v, g, beta)
+            o_ref, p_ref = oracle.gdn_decode_oracle(_f64(q), _f64(k), _f64(v), _f64(g),
+                                                    _f64(beta), before, slots, dk ** -0.5, True)
+            tag = f"decode state {jnp.dtype(sdt).name}"
+            check(tag + " o", oracle.rel_err(_f64(o), o_ref), tol)
+            check(tag + " pool", oracle.rel_err(_f64(newp), p_ref), tol)
+            untouched = [i for i in range(P) if i not in set(slots.tolist())]
+            check(tag + " untouched slots", float(np.abs(_f64(newp)[untouched] - before[untouched]).max()), 0.0)
+        except Exception as e:  # noqa: BLE001
+            log("  decode check FAILED to run:", repr(e)[:2000])
+            RESULTS["errors"].append(("decode_check", repr(e)[:4000]))
+    # conv
+    for dtype, tol in ((jnp.float32, 1e-4), (jnp.bfloat16, 1e-2)):
+        C, K = (64, 4) if TINY else (8192 + 64, 4)
+        lens = [2, 0, 1, 300, 3, 64]
+        T = sum(lens) + 5
+        cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        x = jnp.asarray(rng.standard_normal((T, C)), dtype)
+        w = jnp.asarray(rng.standard_normal((C, K)) * 0.5, dtype)
+        init = jnp.asarray(rng.standard_normal((len(lens), K - 1, C)), dtype)
+        try:
+            y, fin = jax.jit(lambda c, a, b: causal_conv1d_prefill(
+                a, b, cu_seqlens=c, initial_state=init, backend=BACKEND))(jnp.asarray(cu), x, w)
+            y_ref, f_ref = oracle.conv1d_prefill_oracle(_f64(x), _f64(w), cu, _f64(init), "silu")
+            tag = f"conv1d prefill {jnp.dtype(dtype).name}"
+            check(tag + " y", oracle.rel_err(_f64(y), y_ref), tol)
+            check(tag + " state", oracle.rel_err(_f64(fin), f_ref), 0.0 if dtype == jnp.float32 else 1e-7)
+            P = 7
+            slots = np.array([4, -1, 0, 7, 2], np.int32)
+            pool = jnp.asarray(rng.standard_normal((P, K - 1, C)), dtype)
+            before = _f64(pool)
+            xu = jnp.asarray(rng.standard_normal((len(slots), C)), dtype)
+            yu, newp = jax.jit(lambda p, s, a, b: causal_conv1d_update(a, b, p, s, backend=BACKEND),
+                               donate_argnums=0)(pool, jnp.asarray(slots), xu, w)
+            y_ref = np.zeros((len(slots), C))
+            p_ref = before.copy()
+            for n, s in enumerate(slots):
+                if 0 <= s < P:
+                    win = np.concatenate([before[s], _f64(xu)[n][None]], 0)
+                    y_ref[n] = oracle._act((win * _f64(w).T).sum(0), "silu")
+                    p_ref[s] = win[1:]
+            check(f"conv1d update {jnp.dtype(dtype).name} y", oracle.rel_err(_f64(yu), y_ref), tol)
+            check(f"conv1d update {jnp.dtype(dtype).name} pool", oracle.rel_err(_f64(newp), p_ref), 0.0)
+        except Exception as e:  # noqa: BLE001
+            log("  conv check FAILED to run:", repr(e)[:2000])
+            RESULTS["errors"].append(("conv_check", repr(e)[:4000]))
+    save()
+
+
+# ----------------------------------------------------------------------------
+def _fla():
+    try:
+        import torch  # noqa: F401
+        from fla.ops.gated_delta_rule import (chunk_gated_delta_rule,
+                                              fused_recurrent_gated_delta_rule)
+        return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+    except Exception as e:  # noqa: BLE001
+        log("FLA not available:", repr(e)[:300])
+        return None
+
+
+def _t(x):
+    import torch
+    return torch.from_dlpack(x)
+
+
+def row(kind, shape, impl, ms, tokens=None, heads=None, nbytes=None, ratio=None, extra=None):
+    r = dict(kind=kind, shape=shape, impl=impl, ms=ms)
+    if tokens and heads:
+        r["ns_tok_head"] = ms * 1e6 / (tokens * heads)
+        r["tflops"] = FLOP_PER_TOKEN_HEAD * tokens * heads / (ms * 1e-3) / 1e12
+    if nbytes:
+        r["bytes"] = nbytes
+        r["GBps"] = nbytes / (ms * 1e-3) / 1e9
+        if RESULTS.get("copy_bw_Bps"):
+            r["frac_copy_bw"] = nbytes / (ms * 1e-3) / RESULTS["copy_bw_Bps"]
+    if ratio is not None:
+        r["fla_over_ours"] = ratio
+    if extra:
+        r.update(extra)
+    RESULTS["rows"].append(r)
+    s = f"{kind:8s} {shape:28s} {impl:28s} {ms:9.4f} ms"
+    if "ns_tok_head" in r:
+        s += f"  {r['ns_tok_head']:6.3f} ns/tok/head  {r['tflops']:6.1f} TFLOP/s"
+    if nbytes:
+        s += f"  {r['GBps']:7.0f} GB/s ({r.get('frac_copy_bw', 0) * 100:4.0f}% copy)"
+    if ratio is not None:
+        s += f"  FLA/ours {ratio:5.2f}x"
+    log(s)
+    save()
+    return r
+
+
+PREFILL_SHAPES = [
+    # name, lens (None -> one sequence of T), Hk, Hv
+    ("1x8192", [8192], 16, 64),
+    ("1x8192", [8192], 64, 64),
+    ("1x8192", [8192], 16, 32),
+    ("1x8192", [8192], 32, 32),
+    ("1x32768", [32768], 16, 64),
+    ("1x32768", [32768], 64, 64),
+    ("1x32768", [32768], 16, 32),
+    ("1x32768", [32768], 32, 32),
+    ("16x4096", [4096] * 16, 16, 64),
+    ("16x4096", [4096] * 16, 64, 64),
+    ("16x4096", [4096] * 16, 16, 32),
+    ("16x4096", [4096] * 16, 32, 32),
+]
+
+
+def prefill_bench(quick, variants, use_fla):
+    log("== GDN prefill (bf16 q/k/v, fp32 g/beta, dk=dv=128, l2norm in kernel, final state) ==")
+    fla = _fla() if use_fla else None
+    shapes = PREFILL_SHAPES[:1] + PREFILL_SHAPES[2:3] if quick else PREFILL_SHAPES
+    dk = dv = 128
+    if TINY:
+        shapes = [("tiny", [100, 0, 30], 2, 4), ("tiny", [64, 64], 2, 2)]
+        dk = dv = 32
+    best_cfg = None
+    for si, (name, lens, Hk, Hv) in enumerate(shapes):
+        T = sum(lens)
+        cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        shape = f"{name} Hk{Hk} Hv{Hv}"
+        q, k, v, g, beta = _rand_gdn(jax.random.key(si), T, Hk, Hv, dk, dv, jnp.bfloat16)
+        cuj = jnp.asarray(cu)
+        nbytes = T * (2 * Hk * dk * 2 + 2 * Hv * dv * 2 + 2 * Hv * 4) + len(lens) * Hv * dk * dv * 4
+        cfgs = [None]
+        if variants and si == 0:
+            B32, WU = dict(inverse="block32"), dict(inverse="block32", mode="wu")
+            cfgs = [None,
+                    B32, dict(B32, bv=32), dict(B32, main_warps=8), dict(B32, intra_warps=8),
+                    dict(B32, bv=16, main_warps=2),
+                    WU, dict(WU, bv=32), dict(WU, main_warps=8), dict(WU, bv=128, main_warps=8),
+                    dict(WU, main_stages=3), dict(WU, bv=32, main_warps=2),
+                    dict(WU, main_stages=1)]
+        if best_cfg is not None:
+            cfgs = [best_cfg]
+        ours_best = None
+        for cfg in cfgs:
+            label = "ours pallas " + (json.dumps(cfg, separators=(",", ":")) if cfg else "default")
+            try:
+                f = jax.jit(lambda c, *a, _cfg=cfg: gdn_prefill(
+                    *a, cu_seqlens=c, use_qk_l2norm=True, backend=BACKEND, config=_cfg))
+                ms, spread = time_jax(lambda: f(cuj, q, k, v, g, beta))
+                row("prefill", shape, label, ms, T, Hv, nbytes, extra=dict(spread=spread, cfg=cfg))
+                if ours_best is None or ms < ours_best[0]:
+                    ours_best = (ms, cfg, f)
+                if variants and si == 0 and (cfg is None or cfg in (B32, WU)):
+                    fi = jax.jit(lambda c, *a, _cfg=cfg: gdn_prefill_pallas(
+                        *a, cu_seqlens=c, use_qk_l2norm=True, _only_intra=True,
+                        interpret=(BACKEND == "interpret"), config=_cfg))
+                    ms_i, _ = time_jax(lambda: fi(cuj, q, k, v, g, beta))
+                    row("prefill", shape, "intra launch only " + _cfgs(cfg), ms_i)
+            except Exception as e:  # noqa: BLE001
+                log(f"  {label} FAILED: {repr(e)[:3000]}")
+                RESULTS["errors"].append((shape + " " + label, traceback.format_exc()[-6000:]))
+        if si == 0 and variants and ours_best is not None:
+            best_cfg = ours_best[1]
+            RESULTS["best_prefill_cfg"] = best_cfg
+            log(f"  best prefill config: {best_cfg}")
+        o_ours = None
+        if ours_best is not None:
+            o_ours, fin_ours = ours_best[2](cuj, q, k, v, g, beta)
+        if si == 0:
+            try:
+                fr = jax.jit(lambda c, *a: gdn_prefill(*a, cu_seqlens=c, use_qk_l2norm=True,
+                                                       backend="reference"))
+                o_r, f_r = fr(cuj, q, k, v, g, beta)
+                if o_ours is not None:
+                    check(f"{shape} ours vs JAX chunked reference o",
+                          oracle.rel_err(_f64(o_ours), _f64(o_r)), 1e-2)
+                    check(f"{shape} ours vs JAX chunked reference state",
+                          oracle.rel_err(_f64(fin_ours), _f64(f_r)), 1e-2)
+                ms, _ = time_jax(lambda: fr(cuj, q, k, v, g, beta), reps=5)
+                row("prefill", shape, "JAX chunked reference (XLA)", ms, T, Hv, nbytes)
+            except Exception as e:  # noqa: BLE001
+                log("  reference FAILED:", repr(e)[:2000])
+        if fla is not None:
+            import torch
+            chunk = fla[0]
+            try:
+                B = len(lens)
+                Tl = lens[0]
+                tq, tk, tv, tg, tb = (_t(a).reshape((B, Tl) + tuple(a.shape[2:]))
+                                      for a in (q, k, v, g, beta))
+                fcall = lambda: chunk(tq, tk, tv, tg, tb, output_final_state=True,
+                                      use_qk_l2norm_in_kernel=True)
+                o_f, f_f = fcall()
+                torch.cuda.synchronize()
+                if o_ours is not None:
+                    o_f64 = o_f.float().reshape(1, T, Hv, dv).cpu().numpy().astype(np.float64)
+                    check(f"{shape} ours vs FLA o", oracle.rel_err(_f64(o_ours), o_f64), 2e-2)
+                    check(f"{shape} ours vs FLA state",
+                          oracle.rel_err(_f64(fin_ours), f_f.float().cpu().numpy().astype(np.float64)), 2e-2)
+                ms_f = time_torch(fcall)
+                row("prefill", shape, "FLA chunk_gated_delta_rule", ms_f, T, Hv, nbytes)
+                if ours_best is not None:
+                    RESULTS["rows"][-1]["fla_over_ours"] = ms_f / ours_best[0]
+                    log(f"  => FLA / ours = {ms_f / ours_best[0]:.2f}x")
+                del o_f, f_f
+            except Exception as e:  # noqa: BLE001
+                log("  FLA FAILED:", repr(e)[:2000])
+                RESULTS["errors"].append((shape + " FLA", traceback.format_exc()[-4000:]))
+        del q, k, v, g, beta, o_ours
+        save()
+
+
+DECODE_SHAPES = [(256, 64), (64, 64), (256, 32), (1024, 32)]
+
+
+def decode_bench(quick, variants, use_fla):
+    log("== GDN decode (one token per sequence, Hk=16, dk=dv=128, state pool in place) ==")
+    fla = _fla() if use_fla else None
+    dk = dv = 128
+    Hk = 16
+    shapes = DECODE_SHAPES[1:2] if quick else DECODE_SHAPES
+    best_dec = {}
+    if TINY:
+        Hk, dk, dv, shapes = 2, 32, 32, [(4, 4), (8, 2)]
+    for si, (N, Hv) in enumerate(shapes):
+        key = jax.random.key(100 + si)
+        q, k, v, g, beta = (a[0] for a in _rand_gdn(key, N, Hk, Hv, dk, dv, jnp.bfloat16))
+        slots = jnp.asarray(np.random.default_rng(si).permutation(N).astype(np.int32))
+        for sdt in (jnp.float32, jnp.bfloat16):
+            sb = jnp.dtype(sdt).itemsize
+            nbytes = 2 * N * Hv * dk * dv * sb + N * (2 * Hk * dk + 2 * Hv * dv) * 2 + N * Hv * 8
+            shape = f"N{N} Hv{Hv} state {jnp.dtype(sdt).name}"
+            cfgs = [None]
+            if variants and si == 0:
+                cfgs = [None] + [dict(bv=b, warps=w) for b in (8, 16, 32, 64)
+                                 for w in (1, 2, 4) if (b, w) != (32, 4)]
+            if best_dec.get(sdt) is not None:
+                cfgs = [best_dec[sdt]]
+            results = []
+            for cfg in cfgs:
+                label = "ours pallas " + (json.dumps(cfg, separators=(",", ":")) if cfg else "default")
+                try:
+                    pool = [(jax.random.normal(key, (N, Hv, dk, dv), jnp.float32) * 0.1).astype(sdt)]
+                    f = jax.jit(lambda p, *a, _cfg=cfg: gdn_decode(*a, p, slots, use_qk_l2norm=True,
+                                                                   backend=BACKEND, config=_cfg),
+                                donate_argnums=0)
+
+                    def call():
+                        o, pool[0] = f(pool[0], q, k, v, g, beta)
+                        return o
+                    ms, spread = time_jax(call)
+                    row("decode", shape, label, ms, nbytes=nbytes, extra=dict(spread=spread, cfg=cfg))
+                    results.append((ms, cfg))
+                except Exception as e:  # noqa: BLE001
+                    log(f"  {label} FAILED: {repr(e)[:3000]}")
+                    RESULTS["errors"].append((shape + " " + label, traceback.format_exc()[-6000:]))
+            if variants and si == 0 and results:
+                best_dec[sdt] = min(results, key=lambda t: t[0])[1] or {}
+                RESULTS.setdefault("best_decode_cfg", {})[jnp.dtype(sdt).name] = best_dec[sdt]
+                log(f"  best decode config {jnp.dtype(sdt).name}: {best_dec[sdt]}")
+            try:
+                pool = [(jax.random.normal(key, (N, Hv, dk, dv), jnp.float32) * 0.1).astype(sdt)]
+                fr = jax.jit(lambda p, *a: gdn_decode(*a, p, slots, use_qk_l2norm=True,
+                                                      backend="reference"), donate_argnums=0)
+
+                def callr():
+                    o, pool[0] = fr(pool[0], q, k, v, g, beta)
+                    return o
+                ms, _ = time_jax(callr, reps=10)
+                row("decode", shape, "JAX reference (XLA)", ms, nbytes=nbytes)
+            except Exception as e:  # noqa: BLE001
+                log("  decode reference FAILED:", repr(e)[:1000])
+            if fla is not None and sdt == jnp.float32:
+                try:
+                    import torch
+                    rec = fla[1]
+                    tq, tk, tv, tg, tb = (_t(a)[:, None] for a in (q, k, v, g, beta))
+                    st = torch.randn(N, Hv, dk, dv, device="cuda", dtype=torch.float32) * 0.1
+                    fcall = lambda: rec(tq, tk, tv, g=tg, beta=tb, initial_state=st,
+                                        output_final_state=True, use_qk_l2norm_in_kernel=True)
+                    # correctness: same state through ours
+                    o_f, s_f = fcall()
+                    pool_j = jnp.asarray(st.cpu().numpy())
+                    o_o, p_o = gdn_decode(q, k, v, g, beta, pool_j, jnp.arange(N, dtype=jnp.int32),
+                                          use_qk_l2norm=True, backend=BACKEND,
+                                          config=best_dec.get(sdt) or None)
+                    check(f"decode N{N} Hv{Hv} ours vs FLA o",
+                          oracle.rel_err(_f64(o_o), o_f[:, 0].float().cpu().numpy()), 2e-2)
+                    check(f"decode N{N} Hv{Hv} ours vs FLA state",
+                          oracle.rel_err(_f64(p_o), s_f.float().cpu().numpy()), 1e-3)
+                    ms_f = time_torch(fcall)
+                    row("decode", shape, "FLA fused_recurrent (out of place)", ms_f, nbytes=nbytes)
+                except Exception as e:  # noqa: BLE001
+                    log("  FLA decode FAILED:", repr(e)[:2000])
+                    RESULTS["errors"].append((shape + " FLA", traceback.format_exc()[-4000:]))
+        save()
+
+
+def conv_bench(quick):
+    log("== causal conv1d (K=4, silu, bf16) ==")
+    C, K = (64, 4) if TINY else (8192, 4)
+    rng = np.random.default_rng(0)
+    for lens in (([50], [5] * 3) if TINY else ([8192], [512] * 16)):
+        T = sum(lens)
+        cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
+        x = jax.random.normal(jax.random.key(1), (T, C), jnp.float32).astype(jnp.bfloat16)
+        w = jnp.asarray(rng.standard_normal((C, K)), jnp.bfloat16)
+        init = jax.random.normal(jax.random.key(2), (len(lens), K - 1, C), jnp.float32).astype(jnp.bfloat16)
+        nbytes = 2 * T * C * 2
+        shape = f"T{T} N{len(lens)} C{C}"
+        for be in (BACKEND, "reference"):
+            try:
+                f = jax.jit(lambda c, a, b, _be=be: causal_conv1d_prefill(
+                    a, b, cu_seqlens=c, initial_state=init, backend=_be))
+                ms, _ = time_jax(lambda: f(cu, x, w))
+                row("conv", shape, f"conv1d prefill {be}", ms, nbytes=nbytes)
+            except Exception as e:  # noqa: BLE001
+                log(f"  conv prefill {be} FAILED: {repr(e)[:2000]}")
+                RESULTS["errors"].append((shape + be, traceback.format_exc()[-4000:]))
+    for N in ((4,) if TINY else (256, 1024)):
+        x = jax.random.normal(jax.random.key(3), (N, C), jnp.float32).astype(jnp.bfloat16)
+        w = jnp.asarray(rng.standard_normal((C, K)), jnp.bfloat16)
+        slots = jnp.asarray(np.random.default_rng(1).permutation(N).astype(np.int32))
+        nbytes = N * C * (2 * (K - 1) * 2 + 2 * 2)
+        for be in (BACKEND, "reference"):
+            try:
+                pool = [jax.random.normal(jax.random.key(4), (N, K - 1, C), jnp.float32).astype(jnp.bfloat16)]
+                f = jax.jit(lambda p, a, b, _be=be: causal_conv1d_update(a, b, p, slots, backend=_be),
+                            donate_argnums=0)
+
+                def call():
+                    y, pool[0] = f(pool[0], x, w)
+                    return y
+                ms, _ = time_jax(call)
+                row("conv", f"update N{N} C{C}", f"conv1d update {be}", ms, nbytes=nbytes)
+            except Exception as e:  # noqa: BLE001
+                log(f"  conv update {be} FAILED: {repr(e)[:2000]}")
+                RESULTS["errors"].append((f"update{N}{be}", traceback.format_exc()[-4000:]))
+
+
+def summary():
+    log("\n== summary ==")
+    log(f"copy bw {RESULTS.get('copy_bw_Bps', 0) / 1e12:.2f} TB/s (jax), "
+        f"{RESULTS.get('torch_copy_bw_Bps', 0) / 1e12:.2f} TB/s (torch); "
+        f"bf16 matmul {RESULTS.get('bf16_matmul_flops', 0) / 1e12:.0f} TFLOP/s")
+    bad = [c for c in RESULTS["checks"] if not c["ok"]]
+    log(f"checks: {len(RESULTS['checks']) - len(bad)} ok, {len(bad)} failed"
+        + ("".join(f"\n  FAIL {c['name']} {c['rel_err']:.2e}" for c in bad)))
+    for r in RESULTS["rows"]:
+        s = f"{r['kind']:7s} {r['shape']:26s} {r['impl'][:44]:44s} {r['ms']:8.4f} ms"
+        if "ns_tok_head" in r:
+            s += f" {r['ns_tok_head']:6.3f} ns/t/h {r['tflops']:5.0f} TF/s"
+        if "GBps" in r:
+            s += f" {r['GBps']:6.0f} GB/s {r.get('frac_copy_bw', 0) * 100:3.0f}%"
+        if "fla_over_ours" in r:
+            s += f" FLA/ours {r['fla_over_ours']:.2f}x"
+        log(s)
+    if RESULTS["errors"]:
+        log(f"{len(RESULTS['errors'])} errors (see bench.json)")
+
+
+def main(argv=None):
+    global OUTDIR
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--parts", default="check,prefill,decode,conv")
+    ap.add_argument("--variants", action="store_true")
+    ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    ap.add_argument("--backend", default="pallas", help="interpret: CPU dry run")
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU dry run)")
+    a = ap.parse_args(argv)
+    global BACKEND, TINY
+    BACKEND, TINY = a.backend, a.tiny
+    OUTDIR = a.out
+    os.makedirs(OUTDIR, exist_ok=True)
+    parts = a.parts.split(",")
+    log(f"jax {jax.__version__}, devices {jax.devices()}, arch {gpu_arch()}, "
+        f"date {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime())} UTC")
+    RESULTS["env"] = dict(jax=jax.__version__, devices=str(jax.devices()), arch=gpu_arch(),
+                          argv=sys.argv)
+    try:
+        import triton
+        import torch
+        log(f"torch {torch.__version__}, triton {triton.__version__}")
+    except Exception as e:  # noqa: BLE001
+        log("torch/triton import:", e)
+    ceilings(a.quick)
+    if "check" in parts:
+        small_checks()
+    if "prefill" in parts:
+        prefill_bench(a.quick, a.variants, not a.no_fla)
+    if "decode" in parts:
+        decode_bench(a.quick, a.variants, not a.no_fla)
+    if "conv" in parts:
+        conv_bench(a.quick)
+    summary()
+    save()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""`python -m serving`: the whole disaggregated stack in one command.
+
+    python -m serving --model tiny                     # CPU, the small built-in model
+    python -m serving --model /ckpt/Qwen3.5-35B-A3B --prefill-workers 1 --decode-workers 1
+
+Starts the prefill and decode workers (``python -m serving.worker``) as child
+processes, waits until each has compiled its programs and answers, then serves
+the OpenAI API on ``--port`` through the router.  Ctrl-C (or SIGTERM) stops the
+server and every worker.  Engine flags are those of ``python -m serving.api``
+and are passed to every worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+from serving.api.server import parser as server_parser
+
+log = logging.getLogger("serving")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_flags(args, argv: list[str]) -> list[str]:
+    """The engine flags given on our command line, passed through to the workers."""
+    ours = {"--prefill-workers", "--decode-workers", "--port", "--host", "--startup-timeout",
+            "--served-model-name", "--max-queued-requests", "--tokenizer"}
+    out, skip = [], False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        key = a.split("=", 1)[0]
+        if key in ours:
+            skip = "=" not in a
+            continue
+        out.append(a)
+    return out
+
+
+def start_workers(args, flags: list[str]) -> tuple[list[subprocess.Popen], list[str], list[str]]:
+    procs, urls = [], {"prefill": [], "decode": []}
+    for role, n in (("prefill", args.prefill_workers), ("decode", args.decode_workers)):
+        for _ in range(n):
+            port = free_port()
+            cmd = [sys.executable, "-m", "serving.worker", "--role", role, "--port", str(port),
+                   *flags]
+            procs.append(subprocess.Popen(cmd, start_new_session=True))
+            urls[role].append(f"http://127.0.0.1:{port}")
+    return procs, urls["prefill"], urls["decode"]
+
+
+def wait_ready(procs, urls, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    pending = dict(zip(urls, procs))
+    while pending:
+        for url, proc in list(pending.items()):
+            if proc.poll() is not None:
+                raise SystemExit(f"worker {url} exited with code {proc.returncode} during start-up")
+            try:
+                if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+                    del pending[url]
+            except httpx.TransportError:
+                pass
+        if time.monotonic() > deadline:
+            raise SystemExit(f"workers not ready after {timeout:.0f} s: {sorted(pending)}")
+        time.sleep(0.5)
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + 15
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def parser() -> argparse.ArgumentParser:
+    p = server_parser()
+    p.prog = "python -m serving"
+    p.description = __doc__
+    p.add_argument("--prefill-workers", type=int, default=1)
+    p.add_argument("--decode-workers", type=int, default=1)
+    p.add_argument("--startup-timeout", type=float, default=900.0)
+    return p
+
+
+def main(argv=None) -> None:
+    import uvicorn
+
+    from serving.api.app import build_app
+    from serving.api.text import Tokenizer, find_tokenizer
+    from serving.router import Router
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s router %(levelname)s %(name)s: %(message)s")
+    model = args.model or args.model_tag
+    if not model:
+        raise SystemExit("give a model: a checkpoint directory or a preset name")
+    procs, prefill, decode = start_workers(args, worker_flags(args, argv))
+    # A SIGTERM to us stops the workers too, like Ctrl-C does.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        log.info("starting %d prefill and %d decode workers", len(prefill), len(decode))
+        wait_ready(procs, prefill + decode, args.startup_timeout)
+        router = Router.from_workers(prefill, decode)
+        tokenizer = Tokenizer(find_tokenizer(model, args.tokenizer))
+        app = build_app(router, tokenizer, args.served_model_name or model)
+        log.info("serving %s on http://%s:%d (prefill %s, decode %s)", model, args.host,
+                 args.port, prefill, decode)
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    except KeyboardInterrupt:
+        pass
+    finally:
+        stop(procs)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""The OpenAI-compatible HTTP app over any `Backend`.
+
+    POST /v1/completions       prompt: text, texts, token ids or lists of token ids
+    POST /v1/chat/completions  messages through the tokenizer's chat template
+    GET  /v1/models, /health, /metrics
+
+A request is checked completely (body schema, then model-dependent limits)
+before any of it reaches the backend, and all of its engine requests are
+admitted before the answer starts, so errors are plain HTTP errors (400, 503)
+and never a broken stream. A client that disconnects aborts its requests.
+"""
+
+import contextlib
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+
+from serving.api import errors, render
+from serving.api.backend import Backend
+from serving.api.generate import close_all, merged, start_timers, submit, until_disconnect
+from serving.api.metrics import CONTENT_TYPE, Metrics
+from serving.api.prepare import Limits, chat_jobs, completion_jobs
+from serving.api.protocol import (ChatCompletionChunk, ChatCompletionRequest,
+                                  ChatCompletionResponse, CompletionRequest, CompletionResponse,
+                                  ErrorResponse, ModelCard, ModelList)
+from serving.api.text import Tokenizer
+
+_ERRORS = {400: {"model": ErrorResponse, "description": "Invalid request"},
+           500: {"model": ErrorResponse, "description": "The engine failed"},
+           503: {"model": ErrorResponse, "description": "Overloaded: too many queued requests"}}
+
+
+def _stream_doc(chunk) -> dict:
+    return {200: {"description": f"JSON, or with `stream` server-sent events of "
+                                 f"{chunk.__name__} ending in `data: [DONE]`",
+                  "content": {"text/event-stream": {}}}}
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events that always close their engine streams when the
+    response ends, so the requests behind an interrupted stream are aborted at
+    once, whichever way the ASGI server reports the disconnect (and even if
+    the response never started)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events, streams):
+        super().__init__(events)
+        self.streams = streams
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+            await close_all(self.streams)
+
+
+def build_app(backend: Backend, tokenizer: Tokenizer, model_name: str, *,
+              model_path: str | None = None) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        backend.shutdown()
+
+    app = FastAPI(title="qwen35-jax OpenAI-compatible server",
+                  description="vLLM-style OpenAI API over the qwen35-jax engine.",
+                  lifespan=lifespan)
+    errors.install(app)
+    limits = Limits(model_name=model_name, max_model_len=backend.max_model_len,
+                    max_logprobs=backend.max_logprobs, vocab_size=tokenizer.vocab_size)
+    metrics = Metrics(model_name, backend.stats)
+    app.state.backend, app.state.metrics, app.state.tokenizer = backend, metrics, tokenizer
+
+    @app.get("/health", response_class=Response,
+             responses={200: {"description": "Healthy (empty body)"},
+                        503: {"model": ErrorResponse, "description": "The engine stopped"}})
+    async def health():
+        """200 while the engine serves; 503 once it has stopped."""
+        try:
+            backend.check_health()
+        except Exception as e:  # noqa: BLE001 -- any failure means unhealthy
+            return errors.error_response(errors.APIError(str(e), status=503))
+        return Response(status_code=200)
+
+    @app.get("/metrics", response_class=Response,
+             responses={200: {"description": "Prometheus text format",
+                              "content": {CONTENT_TYPE.split(";")[0]: {}}}})
+    async def prometheus():
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models():
+        return ModelList(data=[ModelCard(id=model_name, root=model_path or model_name,
+                                         max_model_len=limits.max_model_len)])
+
+    @app.post("/v1/completions", response_model=CompletionResponse,
+              responses={**_ERRORS, **_stream_doc(CompletionResponse)})
+    async def completions(body: CompletionRequest, request: Request):
+        start = time.perf_counter()
+        jobs = completion_jobs(body, tokenizer, limits)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        renderer = render.StreamRenderer(False, f"cmpl-{uuid.uuid4().hex}", model_name, jobs,
+                                         tokenizer, echo=body.echo, include_usage=include_usage)
+        return await _run(request, jobs, renderer, body.stream, start, echo=body.echo)
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
+              responses={**_ERRORS, **_stream_doc(ChatCompletionChunk)})
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        start = time.perf_counter()
+        jobs = chat_jobs(body, tokenizer, limits)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        renderer = render.StreamRenderer(True, f"chatcmpl-{uuid.uuid4().hex}", model_name, jobs,
+                                         tokenizer, include_usage=include_usage)
+        return await _run(request, jobs, renderer, body.stream, start)
+
+    async def _run(request: Request, jobs, renderer: render.StreamRenderer, stream: bool,
+                   start: float, echo: bool = False):
+        streams = await submit(backend, renderer.id, jobs)
+        outputs = merged(streams, start_timers(metrics, jobs, start))
+        if stream:
+            return EventStream(_events(renderer, outputs), streams)
+        try:
+            finals = await until_disconnect(request, _collect(outputs, len(jobs)))
+        finally:
+            await close_all(streams)
+        if finals is None:  # the client is gone; nobody reads this
+            return Response(status_code=499)
+        if renderer.chat:
+            return render.chat_response(renderer.id, model_name, jobs, finals, tokenizer)
+        return render.completion_response(renderer.id, model_name, jobs, finals, tokenizer,
+                                          echo=echo)
+
+    return app
+
+
+async def _collect(outputs, n: int) -> list:
+    finals = [None] * n
+    async for i, out in outputs:
+        if out.finished:
+            finals[i] = out
+    return finals
+
+
+async def _events(renderer: render.StreamRenderer, outputs):
+    try:
+        for event in renderer.start():
+            yield event
+        async for i, out in outputs:
+            for event in renderer.update(i, out):
+                yield event
+        for event in renderer.end():
+            yield event
+    except Exception as e:  # noqa: BLE001 -- the status line is sent: report in-band
+        error = e if isinstance(e, errors.APIError) else errors.APIError(str(e), status=500)
+        yield render.sse(error.body())
+        yield render.DONE

@@ -1,0 +1,102 @@
+"""Running the engine requests of one HTTP request: submit them all (or none),
+merge their outputs into one ordered stream, and abort whatever is left when
+the client goes away or anything fails.
+"""
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+
+from serving.api.backend import Backend, EngineDead, EngineOverloaded, RequestStream
+from serving.api.errors import APIError
+from serving.api.metrics import Metrics, RequestTimer
+from serving.api.prepare import Job
+from serving.engine import RequestOutput
+
+
+async def submit(backend: Backend, request_id: str, jobs: list[Job]) -> list[RequestStream]:
+    """Add every job, or abort those already added and raise the first failure
+    as an APIError (400 bad input, 503 overload, 500 dead engine)."""
+    results = await asyncio.gather(
+        *(backend.add(f"{request_id}-{j.index}", j.prompt.token_ids, j.params) for j in jobs),
+        return_exceptions=True)
+    streams = [r for r in results if not isinstance(r, BaseException)]
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if not errors:
+        return streams
+    await close_all(streams)
+    e = errors[0]
+    if isinstance(e, EngineOverloaded):
+        raise APIError(f"server overloaded: {e}", status=503) from e
+    if isinstance(e, EngineDead):
+        raise APIError(str(e), status=500) from e
+    if isinstance(e, ValueError):
+        raise APIError(str(e)) from e
+    raise e
+
+
+async def merged(streams: list[RequestStream], timers: list[RequestTimer]
+                 ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(position in `streams`, output) as outputs arrive, until all finish.
+    Closing the iterator early aborts the unfinished requests (callers close
+    the streams themselves too, in case the iterator never started)."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out))
+        except Exception as e:  # noqa: BLE001 -- handed to the consumer
+            queue.put_nowait((i, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, out = await queue.get()
+            if isinstance(out, EngineDead):
+                raise APIError(str(out), status=500) from out
+            if isinstance(out, Exception):
+                raise out
+            timers[i].tokens(len(out.new_token_ids))
+            if out.finished:
+                timers[i].finish(out.finish_reason)
+                remaining -= 1
+            yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+        await close_all(streams)
+
+
+async def close_all(streams: list[RequestStream]) -> None:
+    """Abort whichever of `streams` has not finished (closing twice is harmless)."""
+    for s in streams:
+        await s.aclose()
+
+
+def start_timers(metrics: Metrics, jobs: list[Job], start: float) -> list[RequestTimer]:
+    return [metrics.request(len(j.prompt.token_ids), start) for j in jobs]
+
+
+async def until_disconnect(request: Request, work):
+    """Await `work` unless the client disconnects first; then cancel it (which
+    aborts its engine requests) and return None. For non-streaming answers:
+    a streamed answer notices the disconnect when Starlette cancels it."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        return await task
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,180 @@
+"""Engine outputs to OpenAI response bodies and server-sent events.
+
+Text is made here from token ids, not taken from the backend, so a backend
+never handles text: the output text skips special tokens, and a stop string
+cuts it where the engine found it (the engine's `stop_reason`).
+"""
+
+import json
+import time
+
+from serving.api.prepare import Job
+from serving.api.protocol import (AssistantMessage, ChatChoice, ChatCompletionChunk,
+                                  ChatCompletionResponse, ChatLogprobs, ChatStreamChoice,
+                                  CompletionChoice, CompletionLogprobs, CompletionResponse,
+                                  DeltaMessage, TokenLogprob, TopLogprob, UsageInfo)
+from serving.api.text import IncrementalDecoder, Tokenizer
+from serving.engine import RequestOutput
+
+DONE = "data: [DONE]\n\n"
+
+
+def sse(body) -> str:
+    data = body.model_dump_json() if hasattr(body, "model_dump_json") else json.dumps(body)
+    return f"data: {data}\n\n"
+
+
+def final_text(tok: Tokenizer, out: RequestOutput, job: Job) -> str:
+    text = tok.decode(out.token_ids)
+    if isinstance(out.stop_reason, str):
+        i = text.find(out.stop_reason)
+        if i >= 0:
+            text = text[:i + len(out.stop_reason)] if job.params.include_stop_str_in_output \
+                else text[:i]
+    return text
+
+
+def usage(jobs: list[Job], outs: list[RequestOutput]) -> UsageInfo:
+    """Each prompt counts once, however many choices it has (vLLM's convention)."""
+    prompt = sum(len(p.token_ids) for p in {id(j.prompt): j.prompt for j in jobs}.values())
+    completion = sum(len(o.token_ids) for o in outs)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
+                     total_tokens=prompt + completion)
+
+
+def completion_logprobs(tok: Tokenizer, token_ids: list[int], lps: list[dict[int, float]],
+                        offset: int) -> CompletionLogprobs:
+    """`offset`: where the first token's text starts in the choice's text."""
+    res = CompletionLogprobs()
+    for t, top in zip(token_ids, lps):
+        s = tok.token_str(t)
+        res.tokens.append(s)
+        res.token_logprobs.append(top.get(t))
+        res.top_logprobs.append({tok.token_str(k): v for k, v in top.items()})
+        res.text_offset.append(offset)
+        offset += len(s)
+    return res
+
+
+def chat_logprobs(tok: Tokenizer, token_ids: list[int], lps: list[dict[int, float]],
+                  num_top: int) -> ChatLogprobs:
+    def entry(t, v):
+        s = tok.token_str(t)
+        return TopLogprob(token=s, logprob=v, bytes=list(s.encode()))
+
+    content = []
+    for t, top in zip(token_ids, lps):
+        best = sorted(top.items(), key=lambda kv: -kv[1])[:num_top]
+        content.append(TokenLogprob(**entry(t, top[t]).model_dump(),
+                                    top_logprobs=[entry(k, v) for k, v in best]))
+    return ChatLogprobs(content=content)
+
+
+def completion_response(request_id: str, model: str, jobs: list[Job], outs: list[RequestOutput],
+                        tok: Tokenizer, echo: bool) -> CompletionResponse:
+    choices = []
+    for job, out in zip(jobs, outs):
+        prefix = _echo_text(tok, job) if echo else ""
+        lp = None
+        if out.logprobs is not None:
+            lp = completion_logprobs(tok, out.token_ids, out.logprobs, len(prefix))
+        choices.append(CompletionChoice(index=job.index, text=prefix + final_text(tok, out, job),
+                                        logprobs=lp, finish_reason=out.finish_reason,
+                                        stop_reason=out.stop_reason))
+    return CompletionResponse(id=request_id, model=model, choices=choices,
+                              usage=usage(jobs, outs))
+
+
+def chat_response(request_id: str, model: str, jobs: list[Job], outs: list[RequestOutput],
+                  tok: Tokenizer) -> ChatCompletionResponse:
+    choices = []
+    for job, out in zip(jobs, outs):
+        lp = None
+        if out.logprobs is not None:
+            lp = chat_logprobs(tok, out.token_ids, out.logprobs, job.params.logprobs)
+        choices.append(ChatChoice(index=job.index,
+                                  message=AssistantMessage(content=final_text(tok, out, job)),
+                                  logprobs=lp, finish_reason=out.finish_reason,
+                                  stop_reason=out.stop_reason))
+    return ChatCompletionResponse(id=request_id, model=model, choices=choices,
+                                  usage=usage(jobs, outs))
+
+
+def _holdback(job: Job) -> int:
+    """Characters that may be the start of a stop string."""
+    return max((len(s) for s in job.params.stop), default=1) - 1
+
+
+def _echo_text(tok: Tokenizer, job: Job) -> str:
+    p = job.prompt
+    return p.text if p.text is not None else tok.decode(p.token_ids)
+
+
+class StreamRenderer:
+    """The events of one streamed response, choice by choice as outputs arrive:
+    text deltas (held back near possible stop strings), logprobs of the new
+    tokens, the finish reason, then usage if asked, then `[DONE]`."""
+
+    def __init__(self, chat: bool, request_id: str, model: str, jobs: list[Job],
+                 tok: Tokenizer, *, echo: bool = False, include_usage: bool = False):
+        self.chat, self.id, self.model, self.jobs, self.tok = chat, request_id, model, jobs, tok
+        self.include_usage = include_usage
+        self.created = int(time.time())
+        self.decoders = [IncrementalDecoder(tok, _holdback(j)) for j in jobs]
+        self.prefix = [_echo_text(tok, j) if echo else "" for j in jobs]
+        self.offsets = [len(p) for p in self.prefix]
+        self.finals: list[RequestOutput | None] = [None] * len(jobs)
+
+    def start(self) -> list[str]:
+        if not self.chat:
+            return []
+        return [self._chat_chunk(ChatStreamChoice(index=j.index, delta=DeltaMessage(
+            role="assistant", content=""))) for j in self.jobs]
+
+    def update(self, i: int, out: RequestOutput) -> list[str]:
+        job, dec = self.jobs[i], self.decoders[i]
+        new = out.new_token_ids
+        if out.finished:  # the final text, not the new tokens: they may run past a stop string
+            self.finals[i] = out
+            text = self.prefix[i] + dec.finish(final_text(self.tok, out, job))
+        else:
+            text = self.prefix[i] + dec.push(new)
+        self.prefix[i] = ""
+        lps = out.logprobs[len(out.logprobs) - len(new):] if out.logprobs is not None else None
+        if not (text or out.finished or lps):
+            return []
+        return [self._choice(i, text, new, lps, out)]
+
+    def end(self) -> list[str]:
+        events = []
+        if self.include_usage:
+            u = usage(self.jobs, [o for o in self.finals if o is not None])
+            if self.chat:
+                events.append(sse(ChatCompletionChunk(id=self.id, created=self.created,
+                                                      model=self.model, choices=[], usage=u)))
+            else:
+                events.append(sse(CompletionResponse(id=self.id, created=self.created,
+                                                     model=self.model, choices=[], usage=u)))
+        return events + [DONE]
+
+    def _choice(self, i, text, new, lps, out) -> str:
+        job = self.jobs[i]
+        reason = out.finish_reason if out.finished else None
+        stop_reason = out.stop_reason if out.finished else None
+        if self.chat:
+            lp = chat_logprobs(self.tok, new, lps, job.params.logprobs) if lps else None
+            return self._chat_chunk(ChatStreamChoice(
+                index=job.index, delta=DeltaMessage(content=text), logprobs=lp,
+                finish_reason=reason, stop_reason=stop_reason))
+        lp = None
+        if lps:
+            lp = completion_logprobs(self.tok, new, lps, self.offsets[i])
+        self.offsets[i] += len(text)
+        return sse(CompletionResponse(id=self.id, created=self.created, model=self.model,
+                                      choices=[CompletionChoice(
+                                          index=job.index, text=text, logprobs=lp,
+                                          finish_reason=reason, stop_reason=stop_reason)]))
+
+    def _chat_chunk(self, choice: ChatStreamChoice) -> str:
+        return sse(ChatCompletionChunk(id=self.id, created=self.created, model=self.model,
+                                       choices=[choice]))

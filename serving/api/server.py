@@ -1,0 +1,120 @@
+"""`python -m serving.api`: the OpenAI-compatible server over the aggregated engine.
+
+    python -m serving.api --model tiny --port 8000        # built-in small model, CPU is fine
+    python -m serving.api /ckpt/Qwen3.5-0.8B --served-model-name qwen
+
+Flags follow `vllm serve` where it has one. Every program is compiled at
+start-up over the step buckets, so start-up time grows with their number; on
+a CPU the unset limits default to small values (8 sequences, 64-token steps,
+1024-token context, three programs) to keep start-up near half a minute.
+"""
+
+import argparse
+import logging
+import os
+
+import jax
+
+from serving.api.app import build_app
+from serving.api.text import Tokenizer, find_tokenizer
+from serving.async_engine import AsyncEngine
+from serving.engine.buckets import Buckets
+
+log = logging.getLogger(__name__)
+
+# On a CPU, long prefill programs are slow (seconds per step for the tiny model
+# at 256 tokens), so prompts are prefilled in chunks of at most 64 tokens.
+_CPU_DEFAULTS = {"max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 1024}
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(","))
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m serving.api", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model_tag", nargs="?", help="same as --model")
+    p.add_argument("--model", default=None,
+                   help="checkpoint directory or preset name (tiny, tiny-moe, ...)")
+    p.add_argument("--tokenizer", default=None, help="default: the checkpoint's tokenizer.json, "
+                   "or the built-in one for the tiny presets")
+    p.add_argument("--served-model-name", default=None, help="default: --model")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
+                   help="default: bfloat16 on accelerators, float32 on CPU")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="KV blocks; default: sized from device memory (on CPU: enough for "
+                        "max-num-seqs full-length sequences)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    p.add_argument("--max-logprobs", type=int, default=20)
+    p.add_argument("--max-queued-requests", type=int, default=1024,
+                   help="requests waiting beyond this are answered 503")
+    p.add_argument("--prefill-token-buckets", type=_ints, default=None, metavar="T1,T2,...")
+    p.add_argument("--prefill-seq-buckets", type=_ints, default=None, metavar="N1,N2,...")
+    p.add_argument("--decode-seq-buckets", type=_ints, default=None, metavar="N1,N2,...")
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def engine_kwargs(args) -> dict:
+    """EngineConfig fields from the flags (unset ones: engine defaults, or the
+    small CPU defaults)."""
+    on_cpu = jax.default_backend() == "cpu"
+    kw = {"block_size": args.block_size, "max_logprobs": args.max_logprobs,
+          "memory_utilization": args.gpu_memory_utilization}
+    for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+        value = getattr(args, name)
+        if value is None and on_cpu:
+            value = _CPU_DEFAULTS[name]
+        if value is not None:
+            kw[name] = value
+    if args.num_blocks is not None:
+        kw["num_blocks"] = args.num_blocks
+    elif on_cpu:
+        per_seq = -(-kw["max_model_len"] // args.block_size)
+        kw["num_blocks"] = kw["max_num_seqs"] * per_seq
+    buckets = (args.prefill_token_buckets, args.prefill_seq_buckets, args.decode_seq_buckets)
+    if any(b is not None for b in buckets) or on_cpu:
+        seqs = kw.get("max_num_seqs", 64)
+        tokens = kw.get("max_num_batched_tokens", 2048)
+        kw["buckets"] = Buckets(
+            prefill_tokens=args.prefill_token_buckets or tuple(sorted({min(32, tokens), tokens})),
+            prefill_seqs=args.prefill_seq_buckets or (seqs,),
+            decode_seqs=args.decode_seq_buckets or (seqs,))
+    return kw
+
+
+def build(args) -> tuple:
+    """(app, async engine) for parsed flags; the engine compiles here."""
+    from serving.llm import LLM
+
+    model = args.model or args.model_tag
+    if not model:
+        raise SystemExit("give a model: a checkpoint directory or a preset name")
+    tokenizer = Tokenizer(find_tokenizer(model, args.tokenizer))
+    dtype = {"bfloat16": jax.numpy.bfloat16, "float32": jax.numpy.float32}.get(args.dtype)
+    llm = LLM(model, tokenizer=tokenizer, dtype=dtype, seed=args.seed, **engine_kwargs(args))
+    engine = AsyncEngine(llm.engine, max_queued_requests=args.max_queued_requests)
+    name = args.served_model_name or model
+    app = build_app(engine, tokenizer, name, model_path=os.path.abspath(model)
+                    if os.path.isdir(model) else model)
+    return app, engine
+
+
+def main(argv=None) -> None:
+    import uvicorn
+
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app, _ = build(args)
+    log.info("serving %s on http://%s:%d", args.served_model_name or args.model or args.model_tag,
+             args.host, args.port)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

@@ -1,0 +1,96 @@
+"""Text in and out: the tokenizer the server uses, and streaming detokenization.
+
+The tokenizer comes from the checkpoint directory (`tokenizer.json`, loaded by
+transformers' AutoTokenizer so its chat template comes along) or, for the
+built-in "tiny" presets, from `serving/assets/tiny/`.
+"""
+
+import os
+
+from transformers import AutoTokenizer
+
+BUILTIN_TOKENIZER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                 "assets", "tiny")
+
+
+def find_tokenizer(model: str, tokenizer: str | None = None) -> str:
+    """Where to load the tokenizer of `model` (a checkpoint directory or a preset) from."""
+    if tokenizer:
+        return tokenizer
+    if os.path.isfile(os.path.join(model, "tokenizer.json")):
+        return model
+    from qwen35_jax import get_preset
+
+    if not os.path.isdir(model) and get_preset(model).vocab_size == 512:
+        return BUILTIN_TOKENIZER
+    raise ValueError(f"no tokenizer.json in {model!r}: pass --tokenizer")
+
+
+class Tokenizer:
+    """A transformers tokenizer with the conventions of vLLM's server: output
+    text skips special tokens (so EOS never shows up in completions), token
+    strings in logprobs keep them. The engine is given this object too, so its
+    stop-string checks and final texts agree with what the server streams."""
+
+    def __init__(self, path: str):
+        self.hf = AutoTokenizer.from_pretrained(path)
+        self.vocab_size = len(self.hf)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.hf.decode(ids, skip_special_tokens=True)
+
+    def token_str(self, token_id: int) -> str:
+        return self.hf.decode([token_id])
+
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        """Token ids of a conversation under the chat template, ready for the
+        assistant's reply. Raises ValueError without a template."""
+        if not self.hf.chat_template:
+            raise ValueError("this model's tokenizer has no chat template; use /v1/completions")
+        text = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.encode(text, add_special_tokens=False)
+
+
+class IncrementalDecoder:
+    """Turns a growing list of token ids into text deltas.
+
+    One token may be part of a multi-byte character, so each step decodes a
+    short window (from the last point where the text was complete) and emits
+    only what extends it without a replacement character. With stop strings,
+    the last `holdback` characters are held back until the request finishes:
+    the engine cuts the text where a stop string starts, and a streamed prefix
+    of the stop string could not be taken back.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, holdback: int = 0):
+        self.tokenizer = tokenizer
+        self.holdback = holdback
+        self.ids: list[int] = []
+        self.text = ""
+        self.sent = 0  # characters of `text` already emitted
+        self._prefix = 0  # window start
+        self._read = 0  # window tokens already in `text`
+
+    def push(self, new_ids: list[int]) -> str:
+        self.ids += new_ids
+        decode = self.tokenizer.decode
+        done = decode(self.ids[self._prefix:self._read])
+        window = decode(self.ids[self._prefix:])
+        if len(window) > len(done) and not window.endswith("\ufffd"):
+            self.text += window[len(done):]
+            self._prefix, self._read = self._read, len(self.ids)
+        return self._emit(len(self.text) - self.holdback)
+
+    def finish(self, final_text: str) -> str:
+        """The rest of the engine's final text (which honours stop strings)."""
+        self.text = final_text
+        return self._emit(len(final_text))
+
+    def _emit(self, upto: int) -> str:
+        if upto <= self.sent:
+            return ""
+        delta, self.sent = self.text[self.sent:upto], upto
+        return delta

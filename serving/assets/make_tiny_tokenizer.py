@@ -1,0 +1,102 @@
+"""Builds the tokenizer of the built-in small models (`serving/assets/tiny/`).
+
+The "tiny" presets have random weights and a 512-token vocabulary, so any
+tokenizer of that size lets the server take text: a byte-level BPE (every
+string encodes, every id decodes) with ids 0-2 reserved for the special tokens
+the presets treat as end-of-sequence and the ChatML chat template uses:
+
+    <|endoftext|> = 0    <|im_end|> = 1    <|im_start|> = 2
+
+The training text is generated here from a fixed seed, so the files do not
+depend on what else is in the repository and rerunning the script reproduces
+them byte for byte:
+
+    python serving/assets/make_tiny_tokenizer.py   # writes serving/assets/tiny/
+"""
+
+import json
+import os
+import random
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+VOCAB_SIZE = 512
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_end|>", "<|im_start|>"]
+EOS, PAD = "<|im_end|>", "<|endoftext|>"
+# ChatML, as used by Qwen: each message in <|im_start|>role ... <|im_end|>.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+_WORDS = """the a an of to and in is it that for on with as are this be by from at
+or model token tokens request server engine batch cache block state slot prefill
+decode step time latency throughput prompt text chat user assistant system hello
+world what how why when where which who you we they he she one two three four
+five six seven eight nine ten first last next small large fast slow good new old
+write read run serve send stream answer question number list code data layer
+attention memory device host queue sample seed stop length value key word
+""".split()
+
+
+def corpus(num_lines: int = 4000, seed: int = 0) -> list[str]:
+    """Sentence-like lines over a fixed word list, with capitals, digits and
+    punctuation, so frequent English fragments get merges of their own."""
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(num_lines):
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(3, 14))]
+        if rng.random() < 0.3:
+            words.insert(rng.randrange(len(words)), str(rng.randint(0, 9999)))
+        line = " ".join(words)
+        lines.append(line[0].upper() + line[1:] + rng.choice([".", "?", "!", ",", ":"]))
+    return lines
+
+
+def build() -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(corpus(), trainer=trainer)
+    if tok.get_vocab_size() != VOCAB_SIZE:
+        raise RuntimeError(f"trained {tok.get_vocab_size()} tokens, want {VOCAB_SIZE}")
+    for i, s in enumerate(SPECIAL_TOKENS):
+        assert tok.token_to_id(s) == i, (s, tok.token_to_id(s))
+    return tok
+
+
+def tokenizer_config() -> dict:
+    """What transformers' AutoTokenizer reads next to tokenizer.json."""
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": EOS,
+        "pad_token": PAD,
+        "unk_token": None,
+        "model_max_length": 4096,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
+        "added_tokens_decoder": {
+            str(i): {"content": s, "special": True, "lstrip": False, "rstrip": False,
+                     "normalized": False, "single_word": False}
+            for i, s in enumerate(SPECIAL_TOKENS)},
+    }
+
+
+def main(out_dir: str | None = None) -> str:
+    out_dir = out_dir or os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny")
+    os.makedirs(out_dir, exist_ok=True)
+    build().save(os.path.join(out_dir, "tokenizer.json"))
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump(tokenizer_config(), f, indent=2)
+        f.write("\n")
+    return out_dir
+
+
+if __name__ == "__main__":
+    print("wrote", main())

@@ -1,0 +1,307 @@
+"""`AsyncEngine`: the synchronous, step-driven `Engine` behind an asyncio API.
+
+The engine is not thread-safe and its `step()` blocks for as long as the
+device step takes, so it runs on one background thread that owns it
+completely. The event loop talks to that thread through a command inbox (add,
+abort) and gets outputs back through `loop.call_soon_threadsafe`; neither side
+ever waits on the other, so a slow step never stalls HTTP handling and a burst
+of HTTP requests never stalls a step. Commands are applied between steps.
+
+    stream = await engine.add(request_id, prompt_token_ids, params)  # admission
+    async for out in stream: ...      # RequestOutput per step, until finished
+
+`add` returns only once the engine has accepted the request, so a caller can
+answer a bad request with an error before it starts streaming. Leaving the
+iteration early (a client that disconnects) aborts the request, which frees
+its KV blocks and state slot. `generate` is the one-call form of the two.
+
+Overload: requests accepted but not yet running are bounded by
+`max_queued_requests`; beyond it `add` raises `EngineOverloaded` at once, so
+that callers get a quick 503 instead of an unbounded wait.
+
+This class is one implementation of `serving.api.backend.Backend`; a router
+over disaggregated prefill/decode workers can implement the same interface.
+"""
+
+import asyncio
+import dataclasses
+import logging
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+
+from serving.engine import Engine, RequestOutput, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineOverloaded(RuntimeError):
+    """Too many requests are queued; retry later."""
+
+
+class EngineDead(RuntimeError):
+    """The engine thread stopped after an error; nothing more will be served."""
+
+
+class RequestStream:
+    """Outputs of one request, in order; async-iterable until it finishes."""
+
+    def __init__(self, owner: "AsyncEngine", request_id: str):
+        self.request_id = request_id
+        self.finished = False
+        self._owner = owner
+        self._queue: asyncio.Queue = asyncio.Queue()
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+    async def aclose(self) -> None:
+        """Stop listening; aborts the request if it has not finished."""
+        if not self.finished:
+            self.finished = True
+            self._owner._send(("abort", self.request_id))
+
+    def _put(self, item) -> None:
+        self._queue.put_nowait(item)
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, *, max_queued_requests: int = 1024,
+                 tick: Callable[[Engine], bool] | None = None):
+        """`tick(engine)` runs on the engine thread before every iteration (the
+        disaggregated worker polls its transfers there); while it returns True
+        the thread keeps iterating instead of sleeping until the next command."""
+        self.engine = engine
+        self.max_queued_requests = max_queued_requests
+        self.max_model_len = engine.config.max_model_len
+        self.max_logprobs = engine.config.max_logprobs
+        self._tick = tick
+        self._inbox: deque = deque()
+        self._wake = threading.Event()
+        self._stopping = False
+        self.error: BaseException | None = None
+        # Adds submitted by the loop thread minus adds applied by the engine
+        # thread: each counter has a single writer, so no lock is needed.
+        self._submitted = 0
+        self._applied = 0
+        self._streams: dict[str, tuple[RequestStream, asyncio.AbstractEventLoop]] = {}
+        self._stats = self._snapshot()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    # ---- the asyncio side ------------------------------------------------
+
+    async def add(self, request_id: str, prompt_token_ids: list[int],
+                  params: SamplingParams, *,
+                  submit: Callable[[Engine], object] | None = None) -> RequestStream:
+        """Queue a request and wait until the engine accepts it. Raises
+        ValueError (bad request, from the engine's checks), EngineOverloaded
+        or EngineDead. `submit(engine)` replaces the plain `add_request` (the
+        workers add held or remotely filled requests); it raises to refuse."""
+        self.check_health()
+        if self.num_queued() >= self.max_queued_requests:
+            raise EngineOverloaded(f"{self.num_queued()} requests are queued "
+                                   f"(max_queued_requests={self.max_queued_requests})")
+        loop = asyncio.get_running_loop()
+        stream = RequestStream(self, request_id)
+        admitted = loop.create_future()
+        self._submitted += 1
+        if submit is None:
+            prompt = list(prompt_token_ids)
+            submit = lambda engine: engine.add_request(prompt, params, request_id)  # noqa: E731
+        self._send(("add", request_id, submit, stream, admitted, loop))
+        if self.error is not None:  # the thread died and may have drained the inbox already
+            _settle(admitted, EngineDead(f"engine stopped: {self.error!r}"))
+        try:
+            await admitted
+        except asyncio.CancelledError:
+            await stream.aclose()
+            raise
+        return stream
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """`add`, then the outputs; leaving the loop early aborts the request."""
+        stream = await self.add(request_id, prompt_token_ids, params)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            await stream.aclose()
+
+    async def call(self, fn: Callable[[Engine], object]):
+        """Run `fn(engine)` on the engine thread between steps; returns its result."""
+        self.check_health()
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._send(("call", fn, done, loop))
+        return await done
+
+    def fail(self, request_id: str, error: BaseException) -> None:
+        """End a request's stream with `error` (engine thread only)."""
+        entry = self._streams.pop(request_id, None)
+        if entry is not None:
+            stream, loop = entry
+            loop.call_soon_threadsafe(stream._put, error)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; its stream ends with finish_reason "abort"."""
+        self._send(("abort", request_id))
+
+    def num_queued(self) -> int:
+        """Requests accepted but not running: in the inbox or the engine's queue."""
+        return self._submitted - self._applied + self._stats["num_waiting"]
+
+    def stats(self) -> dict:
+        """Engine counters as of the last loop iteration (see `_snapshot`)."""
+        return {**self._stats, "num_waiting": self.num_queued()}
+
+    def check_health(self) -> None:
+        if self.error is not None:
+            raise EngineDead(f"engine stopped: {self.error!r}") from self.error
+        if not self._thread.is_alive():
+            raise EngineDead("engine thread is not running")
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+        self.engine.close()
+
+    def _send(self, command: tuple) -> None:
+        self._inbox.append(command)
+        self._wake.set()
+
+    # ---- the engine thread -----------------------------------------------
+
+    def _run(self) -> None:
+        drained = True
+        try:
+            while not self._stopping:
+                self._wake.clear()
+                busy = self._tick(self.engine) if self._tick is not None else False
+                self._apply_commands()
+                self._stats = self._snapshot()
+                if self.engine.has_unfinished():
+                    self._deliver(self.engine.step())
+                    drained = False
+                elif not drained:
+                    # One idle step applies memory releases still held back
+                    # by the step fence, so the pools read full when idle.
+                    self._deliver(self.engine.step())
+                    drained = True
+                else:
+                    self._wake.wait(timeout=0.001 if busy else None)
+        except BaseException as e:  # noqa: BLE001 -- every failure must reach the callers
+            log.exception("engine loop failed")
+            self.error = e
+        else:
+            self.error = EngineDead("engine shut down")
+        self._fail_all(EngineDead(f"engine stopped: {self.error!r}"))
+
+    def _apply_commands(self) -> None:
+        while self._inbox:
+            command = self._inbox.popleft()
+            if command[0] == "add":
+                self._apply_add(*command[1:])
+            elif command[0] == "call":
+                self._apply_call(*command[1:])
+            else:
+                self._apply_abort(command[1])
+
+    def _apply_add(self, request_id, submit, stream, admitted, loop) -> None:
+        try:
+            submit(self.engine)
+        except Exception as e:  # noqa: BLE001 -- a bad request must not stop the loop
+            loop.call_soon_threadsafe(_settle, admitted, e)
+        else:
+            self._streams[request_id] = (stream, loop)
+            loop.call_soon_threadsafe(_settle, admitted, None)
+        finally:
+            self._applied += 1
+
+    def _apply_call(self, fn, done, loop) -> None:
+        try:
+            result = fn(self.engine)
+        except Exception as e:  # noqa: BLE001 -- handed to the caller
+            loop.call_soon_threadsafe(_settle, done, e)
+        else:
+            loop.call_soon_threadsafe(_resolve, done, result)
+
+    def _apply_abort(self, request_id: str) -> None:
+        out = self.engine.abort(request_id)
+        if out is not None:
+            self._deliver([out])
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        by_loop: dict = {}
+        for out in outputs:
+            entry = self._streams.get(out.request_id)
+            if entry is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+            stream, loop = entry
+            by_loop.setdefault(loop, []).append((stream, _detach(out)))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for stream, loop in self._streams.values():
+            loop.call_soon_threadsafe(stream._put, error)
+        self._streams.clear()
+        while self._inbox:
+            command = self._inbox.popleft()
+            if command[0] in ("add", "call"):  # their last two fields: future, its loop
+                command[-1].call_soon_threadsafe(_settle, command[-2], error)
+
+    def _snapshot(self) -> dict:
+        """Counters read on the engine thread, so the loop never touches the
+        engine's state while a step changes it."""
+        m = self.engine.metrics()
+        c = self.engine.config
+        return {
+            "num_running": m["num_running"], "num_waiting": m["num_waiting"],
+            "num_blocks": c.num_blocks, "free_blocks": m["free_blocks"],
+            "num_slots": c.num_slots, "free_slots": m["free_slots"],
+            "kv_cache_usage": m["kv_cache_usage"],
+            "state_slot_usage": 1 - m["free_slots"] / c.num_slots,
+            "num_preemptions": m["num_preemptions"],
+            "serving_compiles": m["serving_compiles"],
+        }
+
+
+def _detach(out: RequestOutput) -> RequestOutput:
+    """A copy whose lists the engine will not keep appending to."""
+    return dataclasses.replace(
+        out, token_ids=list(out.token_ids), new_token_ids=list(out.new_token_ids),
+        logprobs=list(out.logprobs) if out.logprobs is not None else None)
+
+
+def _settle(future: asyncio.Future, error: BaseException | None) -> None:
+    if future.done():  # the caller stopped waiting
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
+
+
+def _resolve(future: asyncio.Future, result) -> None:
+    if not future.done():
+        future.set_result(result)
+
+
+def _put_all(items) -> None:
+    for stream, out in items:
+        stream._put(out)

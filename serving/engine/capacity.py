@@ -1,0 +1,57 @@
+"""Sizes the hybrid cache and allocates it once.
+
+KV grows with every token; GDN state is a fixed record per request. So the
+split is: `num_slots` state slots (one per sequence that may run, default
+`max_num_seqs`), and every remaining byte of the budget for KV blocks, capped
+at what `max_num_seqs` sequences of `max_model_len` tokens could ever use. The
+budget is `memory_utilization` of the device's memory limit minus what is in
+use after the weights are loaded; the rest is left for activations of the
+largest bucket. On CPU (no memory stats) `num_blocks` must be given.
+"""
+
+import logging
+
+import jax
+import jax.numpy as jnp
+
+from serving.engine.config import EngineConfig
+
+log = logging.getLogger(__name__)
+
+
+def plan_capacity(model_cfg, config: EngineConfig, dtype, memory_stats: dict | None = None) -> dict:
+    """Fills `config.num_blocks` if unset; returns the split as a report.
+    `memory_stats` defaults to the first device's (`bytes_limit`, `bytes_in_use`)."""
+    from qwen35_jax.cache import HybridCache
+
+    ssm_dtype = jnp.dtype(config.ssm_dtype)
+    block_bytes = HybridCache.bytes_per_block(model_cfg, config.block_size, dtype)
+    slot_bytes = HybridCache.bytes_per_slot(model_cfg, dtype, ssm_dtype)
+    report = {"block_bytes": block_bytes, "slot_bytes": slot_bytes, "num_slots": config.num_slots}
+    if config.num_blocks is None:
+        stats = memory_stats or jax.devices()[0].memory_stats()
+        if not stats or "bytes_limit" not in stats:
+            raise ValueError("this device reports no memory statistics: set num_blocks")
+        budget = int(stats["bytes_limit"] * config.memory_utilization) - stats["bytes_in_use"]
+        useful = config.max_num_seqs * config.max_blocks_per_seq
+        config.num_blocks = min(useful, (budget - config.num_slots * slot_bytes) // block_bytes)
+        if config.num_blocks < config.max_blocks_per_seq:
+            raise ValueError(f"{budget / 2**30:.1f} GiB free leaves {config.num_blocks} KV blocks, "
+                             f"fewer than one sequence of max_model_len needs")
+        report.update(device_limit_bytes=stats["bytes_limit"], in_use_bytes=stats["bytes_in_use"],
+                      budget_bytes=budget)
+    report.update(num_blocks=config.num_blocks, kv_bytes=config.num_blocks * block_bytes,
+                  state_bytes=config.num_slots * slot_bytes,
+                  kv_tokens=config.num_blocks * config.block_size)
+    log.info("cache: %d KV blocks (%.2f GiB, %d tokens) + %d state slots (%.2f GiB)",
+             config.num_blocks, report["kv_bytes"] / 2**30, report["kv_tokens"],
+             config.num_slots, report["state_bytes"] / 2**30)
+    return report
+
+
+def allocate_cache(model_cfg, config: EngineConfig, dtype):
+    from qwen35_jax.cache import HybridCache
+
+    return HybridCache.allocate(model_cfg, num_blocks=config.num_blocks,
+                                block_size=config.block_size, num_slots=config.num_slots,
+                                dtype=dtype, ssm_dtype=jnp.dtype(config.ssm_dtype))

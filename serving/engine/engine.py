@@ -1,0 +1,282 @@
+"""The engine: the host loop that schedules, dispatches and processes steps.
+
+Async scheduling (the default) keeps one step in flight while the host works:
+
+    step k:  schedule S_k  ->  dispatch S_k  ->  fetch outputs of S_{k-1} and process them
+
+so the device starts S_k as soon as S_{k-1} ends, while the host is still
+reading S_{k-1}'s tokens, checking stop conditions and building S_{k+1}.
+Tokens sampled by S_{k-1} are fed to S_k on device (runner.py), so the
+scheduler only needs token *counts*, which it knows. With async off, each step
+is processed right after its dispatch.
+
+Race freedom, by construction:
+  A. Memory released by the host (finish, abort, preemption) goes back to the
+     pools only after every already-dispatched step has completed (StepFence).
+     A step that still holds a finished request therefore never writes memory
+     that has been handed to someone else, be it a new request or a transfer.
+  B. No step ever zeroes or writes memory outside the sequences it carries:
+     fresh sequences start from a zero state without reading their slot, and
+     padding rows write nothing. Memory that a transfer fills is reserved from
+     the pool (so no in-flight step can touch it, by A), and its request is not
+     scheduled until the transfer is reported complete (`finish_transfer`).
+Stale outputs (a request finished, aborted or preempted while a step holding
+it was in flight) are recognised by the request's epoch and dropped.
+"""
+
+import logging
+import time
+from collections import deque
+
+import numpy as np
+
+from serving.engine.block_pool import BlockPool
+from serving.engine.compile_guard import CompileCounter
+from serving.engine.config import EngineConfig
+from serving.engine.fence import StepFence
+from serving.engine.idle_timer import IdleTimer
+from serving.engine.outputs import RequestOutput
+from serving.engine.request import Request
+from serving.engine.runner import Runner
+from serving.engine.sampling_params import SamplingParams
+from serving.engine.scheduler import Scheduler
+from serving.engine.state_pool import SlotPool
+from serving.engine.stop import check_stop
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    def __init__(self, model, cache, config: EngineConfig, *, tokenizer=None, batch_type=None):
+        """`cache` must be allocated for `config.num_blocks` blocks of
+        `config.block_size` positions and `config.num_slots` slots (see
+        capacity.py). `batch_type` is the model's Batch class, by default
+        qwen35_jax's; tests pass a stand-in model with its own."""
+        if batch_type is None:
+            from qwen35_jax.batch import Batch as batch_type
+        c = self.config = config
+        if (c.buckets.prefill_tokens[-1] < c.max_num_batched_tokens
+                or min(c.buckets.prefill_seqs[-1], c.buckets.decode_seqs[-1]) < c.max_num_seqs):
+            raise ValueError(f"buckets {c.buckets} do not cover max_num_batched_tokens "
+                             f"{c.max_num_batched_tokens} and max_num_seqs {c.max_num_seqs}")
+        if c.max_blocks_per_seq > c.num_blocks:
+            raise ValueError(f"max_model_len {c.max_model_len} needs {c.max_blocks_per_seq} "
+                             f"blocks, the cache has {c.num_blocks}")
+        self.tokenizer = tokenizer
+        self.blocks = BlockPool(c.num_blocks)
+        self.slots = SlotPool(c.num_slots)
+        self.fence = StepFence()
+        self.scheduler = Scheduler(
+            max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
+            max_model_len=c.max_model_len, block_size=c.block_size,
+            blocks=self.blocks, slots=self.slots, fence=self.fence)
+        self.compiles = CompileCounter()
+        self.runner = Runner(model, cache, num_slots=c.num_slots,
+                             max_blocks_per_seq=c.max_blocks_per_seq, buckets=c.buckets,
+                             num_top_logprobs=c.max_logprobs, batch_type=batch_type)
+        with self.compiles.phase("warmup"):
+            self.warmup_seconds = self.runner.warmup()
+        log.info("engine ready: %d programs compiled in %.1f s, %d blocks x %d tokens, %d slots",
+                 len(c.buckets.all_shapes()), self.warmup_seconds, c.num_blocks, c.block_size,
+                 c.num_slots)
+        self.requests: dict[str, Request] = {}
+        self._inflight: deque = deque()  # (seq, SchedulerOutput, SampleResult)
+        self._rng = np.random.default_rng(c.seed)
+        self._next_id = 0
+        self.idle_timer = IdleTimer() if c.track_device_idle else None
+        self.stats = {"steps": 0, "decode_steps": 0, "prefill_steps": 0,
+                      "scheduled_tokens": 0, "padded_tokens": 0}
+
+    # ---- requests -------------------------------------------------------
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, *, hold_on_finish: bool = False) -> str:
+        """Queue a request. `hold_on_finish` keeps its blocks and slot after it
+        finishes (for a transfer lease) until `release(request_id)`."""
+        req = self._new_request(prompt_token_ids, params, request_id)
+        if hold_on_finish and req.params.max_tokens != 1:
+            # With more than one token, an async step may still extend the
+            # request's state past its last token when it finishes on a stop
+            # condition, so the held state would not be the reported one.
+            del self.requests[req.request_id]
+            raise ValueError("hold_on_finish is for prefill-only requests (max_tokens=1)")
+        req.hold_on_finish = hold_on_finish
+        self.scheduler.add(req)
+        return req.request_id
+
+    def add_remote_request(self, prompt_token_ids: list[int], first_token: int,
+                           params: SamplingParams | None = None, request_id: str | None = None):
+        """Reserve memory for a request whose prompt was computed elsewhere.
+        Returns `(request_id, block_ids, slot)` for the transfer to fill, or
+        None if there is no room now. The request is not scheduled until
+        `finish_transfer`; `first_token` is the token the prefill side sampled."""
+        req = self._new_request(prompt_token_ids, params, request_id)
+        if not self.scheduler.begin_transfer(req):
+            del self.requests[req.request_id]
+            return None
+        self._append_token(req, first_token, None, time.perf_counter())
+        return req.request_id, list(req.block_ids), req.slot
+
+    def finish_transfer(self, request_id: str, ok: bool = True) -> None:
+        """The transfer into the request's memory completed (ok) or failed (the
+        prompt is then recomputed locally, in the same memory)."""
+        req = self.requests[request_id]
+        self.scheduler.end_transfer(req, ok)
+        if req.is_finished:
+            self.requests.pop(request_id, None)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        req = self.requests.get(request_id)
+        if req is None or req.is_finished:
+            return None
+        self.scheduler.finish(req, "abort")
+        return self._finished(req)
+
+    def release(self, request_id: str) -> None:
+        """End the hold on a finished request's memory (`hold_on_finish`)."""
+        req = self.requests.pop(request_id)
+        self.scheduler.release(req)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work() or bool(self._inflight)
+
+    # ---- the loop -------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; returns outputs of requests that got tokens or finished."""
+        with self.compiles.phase("serving"):
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
+        self.fence.poll()
+        sched = self.scheduler.schedule()
+        if sched.seqs:
+            x = self.runner.prepare(sched)
+            t = time.perf_counter()
+            out = self.runner.run(x, sched.is_decode)
+            seq = self.fence.on_dispatch(out.token)
+            if self.idle_timer:
+                self.idle_timer.on_dispatch(seq, t, out.token)
+            self._inflight.append((seq, sched, out))
+            self._count(sched, x)
+        keep = 1 if (self.config.async_scheduling and sched.seqs) else 0
+        outputs: list[RequestOutput] = []
+        while len(self._inflight) > keep:
+            outputs += self._process(*self._inflight.popleft())
+        if not self._inflight:
+            self.runner.check_addresses()
+        return outputs
+
+    def generate(self, prompts: list[list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run prompts to completion; outputs in prompt order."""
+        if not isinstance(params, list):
+            params = [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        done: dict[str, RequestOutput] = {}
+        while self.has_unfinished():
+            for o in self.step():
+                if o.finished:
+                    done[o.request_id] = o
+        return [done[i] for i in ids]
+
+    def metrics(self) -> dict:
+        m = dict(self.stats)
+        m.update(serving_compiles=self.compiles.serving_compiles,
+                 warmup_compiles=self.compiles.warmup_compiles,
+                 warmup_seconds=self.warmup_seconds,
+                 num_preemptions=self.scheduler.num_preemptions,
+                 num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+                 free_blocks=self.blocks.num_free, free_slots=self.slots.num_free,
+                 kv_cache_usage=1 - self.blocks.num_free / self.blocks.num_blocks)
+        if self.idle_timer:
+            m.update(self.idle_timer.summary())
+        return m
+
+    def close(self) -> None:
+        self.compiles.close()
+
+    # ---- internals ------------------------------------------------------
+
+    def _new_request(self, prompt, params, request_id) -> Request:
+        params = params or SamplingParams()
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise ValueError("empty prompt")
+        if len(prompt) >= self.config.max_model_len:
+            raise ValueError(f"prompt of {len(prompt)} tokens leaves no room under "
+                             f"max_model_len {self.config.max_model_len}")
+        if (params.logprobs or 0) > self.config.max_logprobs:
+            raise ValueError(f"logprobs {params.logprobs} > max_logprobs {self.config.max_logprobs}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        if request_id is None:
+            request_id, self._next_id = f"req-{self._next_id}", self._next_id + 1
+        if request_id in self.requests:
+            raise ValueError(f"duplicate request id {request_id}")
+        seed = params.seed if params.seed is not None else int(self._rng.integers(2**31))
+        req = Request(request_id, prompt, params, seed)
+        self.requests[request_id] = req
+        return req
+
+    def _count(self, sched, x) -> None:
+        s = self.stats
+        s["steps"] += 1
+        s["decode_steps" if sched.is_decode else "prefill_steps"] += 1
+        s["scheduled_tokens"] += sched.num_tokens
+        s["padded_tokens"] += len(x.tokens)
+
+    def _process(self, seq: int, sched, out) -> list[RequestOutput]:
+        tokens = np.asarray(out.token)  # waits for this step only
+        self.fence.mark_completed(seq)
+        want_lp = any(s.sample and s.request.params.logprobs is not None for s in sched.seqs)
+        if want_lp:
+            lp, top_ids, top_lp = (np.asarray(a) for a in (out.logprob, out.top_ids, out.top_logprobs))
+        now = time.perf_counter()
+        outputs = []
+        for i, s in enumerate(sched.seqs):
+            req = s.request
+            if not s.sample or s.epoch != req.epoch:
+                continue  # a chunk that samples nothing, or a stale output
+            req.num_pending -= 1
+            n = req.params.logprobs
+            logprobs = None
+            if n is not None:
+                logprobs = {int(t): float(v) for t, v in zip(top_ids[i, :n], top_lp[i, :n])}
+                logprobs[int(tokens[i])] = float(lp[i])
+            new = int(tokens[i])
+            self._append_token(req, new, logprobs, now)
+            if req.is_finished:
+                outputs.append(self._finished(req, [new]))
+            else:
+                outputs.append(self._output(req, [new]))
+        return outputs
+
+    def _append_token(self, req: Request, token: int, logprobs, now: float) -> None:
+        req.output_token_ids.append(token)
+        if logprobs is not None:
+            req.logprobs.append(logprobs)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        reason, stop_reason = check_stop(req, self.config, self.tokenizer)
+        if reason is not None:
+            self.scheduler.finish(req, reason, stop_reason)
+
+    def _finished(self, req: Request, new=()) -> RequestOutput:
+        req.finish_time = time.perf_counter()
+        if not (req.hold_on_finish or req.request_id in self.scheduler.transferring):
+            self.requests.pop(req.request_id, None)
+        if self.tokenizer is not None and not req.output_text:
+            req.output_text = self.tokenizer.decode(req.output_token_ids)
+        return self._output(req, list(new))
+
+    def _output(self, req: Request, new: list[int]) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+            token_ids=req.output_token_ids, new_token_ids=new, finished=req.is_finished,
+            finish_reason=req.finish_reason, stop_reason=req.stop_reason,
+            text=req.output_text if req.is_finished and self.tokenizer is not None else None,
+            logprobs=req.logprobs if req.params.logprobs is not None else None,
+            num_preemptions=req.num_preemptions,
+            metrics={"arrival": req.arrival_time, "first_token": req.first_token_time,
+                     "finish": req.finish_time})

@@ -1,0 +1,156 @@
+"""Compiled step programs: model forward + sampling, over padded buckets.
+
+One traced function serves both programs; the static `is_decode` flag selects
+the model's recurrent GDN path (decode) or its chunked path (prefill, which also
+carries mixed batches). Every (is_decode, T, N) bucket is lowered, compiled
+ahead of time (in parallel threads: XLA compiles release the GIL) and run once
+at start-up on an all-padding batch, which writes nothing. Steps call the
+compiled executables directly, so nothing can silently retrace; a shape
+outside the table is compiled on the spot and the compile guard reports it.
+
+The cache pytree and a per-slot "last sampled token" buffer are donated, so
+they are updated in place and keep their device addresses (the transfer layer
+registers them once; `check_addresses` verifies it).
+
+The last-token buffer is what lets the host run ahead: a decode token that was
+sampled by a step still in flight is not known on the host, so the next step
+reads it on device from `last_token[slot]` (`from_slot` >= 0) instead of from
+the host tokens. Each step writes its sampled tokens there for the sequences
+whose chunk reached the end of their known tokens.
+"""
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from serving.engine.buckets import Buckets
+from serving.engine.sampler import SampleResult, SamplingArrays, sample
+from serving.engine.scheduler import SchedulerOutput
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class StepInputs:
+    """Host-built inputs of one step, padded to a bucket (numpy until dispatched)."""
+    tokens: np.ndarray  # i32 [T]
+    from_slot: np.ndarray  # i32 [T]: read the token from last_token[slot] when >= 0
+    cu_seqlens: np.ndarray  # i32 [N+1]
+    start_pos: np.ndarray  # i32 [N]
+    slots: np.ndarray  # i32 [N]; num_slots = padding
+    block_tables: np.ndarray  # i32 [N, M]
+    logits_indices: np.ndarray  # i32 [N]
+    sample_slot: np.ndarray  # i32 [N]: where to store the sampled token; num_slots = nowhere
+    sampling: SamplingArrays
+
+
+def _step(graphdef, treedef, batch_type, num_top, leaves, cache, last_token, x: StepInputs,
+          is_decode: bool):
+    tokens = jnp.where(x.from_slot >= 0, last_token[jnp.maximum(x.from_slot, 0)], x.tokens)
+    batch = batch_type(tokens=tokens, cu_seqlens=x.cu_seqlens, start_pos=x.start_pos,
+                       slots=x.slots, block_tables=x.block_tables,
+                       logits_indices=x.logits_indices, is_decode=is_decode)
+    model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+    logits, cache = model.forward(batch, cache)
+    out = sample(logits, x.sampling, num_top)
+    last_token = last_token.at[x.sample_slot].set(out.token, mode="drop")
+    return cache, last_token, out
+
+
+class Runner:
+    def __init__(self, model: nnx.Module, cache, *, num_slots: int, max_blocks_per_seq: int,
+                 buckets: Buckets, num_top_logprobs: int, batch_type):
+        graphdef, state = nnx.split(model)
+        self._leaves, treedef = jax.tree.flatten(state)
+        self.cache = cache
+        self.last_token = jnp.zeros((num_slots,), jnp.int32)
+        self.num_slots = num_slots
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.buckets = buckets
+        self._fn = jax.jit(partial(_step, graphdef, treedef, batch_type, num_top_logprobs),
+                           static_argnames=("is_decode",), donate_argnums=(1, 2))
+        self._programs = {}  # (is_decode, T, N) -> compiled executable
+        self._addresses = None
+
+    # ---- start-up -------------------------------------------------------
+
+    def warmup(self, compile_threads: int = 8) -> float:
+        """Compile every bucket, then run each once on an all-padding batch;
+        returns seconds."""
+        t0 = time.perf_counter()
+        shapes = self.buckets.all_shapes()
+        lowered = [self._lower(*shape) for shape in shapes]
+        with ThreadPoolExecutor(compile_threads) as pool:
+            self._programs = dict(zip(shapes, pool.map(lambda lo: lo.compile(), lowered)))
+        for is_decode, t, n in shapes:
+            out = self.run(self._empty(t, n), is_decode)
+        jax.block_until_ready(out)
+        self._addresses = self.addresses()
+        return time.perf_counter() - t0
+
+    def _lower(self, is_decode: bool, t: int, n: int):
+        return self._fn.lower(self._leaves, self.cache, self.last_token, self._empty(t, n),
+                              is_decode=is_decode)
+
+    def addresses(self) -> list[int]:
+        return [a.unsafe_buffer_pointer() for a in jax.tree.leaves((self.cache, self.last_token))]
+
+    def check_addresses(self) -> None:
+        """Raise if a donated buffer moved (the in-place update was not honoured).
+        Call only when no step is in flight: it waits for the buffers."""
+        now = self.addresses()
+        if self._addresses is not None and now != self._addresses:
+            raise RuntimeError("cache buffers moved: donation was not applied in place")
+
+    # ---- one step -------------------------------------------------------
+
+    def _empty(self, t: int, n: int) -> StepInputs:
+        return StepInputs(
+            tokens=np.zeros(t, np.int32), from_slot=np.full(t, -1, np.int32),
+            cu_seqlens=np.zeros(n + 1, np.int32), start_pos=np.zeros(n, np.int32),
+            slots=np.full(n, self.num_slots, np.int32),
+            block_tables=np.zeros((n, self.max_blocks_per_seq), np.int32),
+            logits_indices=np.zeros(n, np.int32), sample_slot=np.full(n, self.num_slots, np.int32),
+            sampling=SamplingArrays.host(n))
+
+    def prepare(self, sched: SchedulerOutput) -> StepInputs:
+        t, n = self.buckets.pick(sched.is_decode, sched.num_tokens, len(sched.seqs))
+        x = self._empty(t, n)
+        pos = 0
+        for i, s in enumerate(sched.seqs):
+            req = s.request
+            stop = min(s.start + s.num_tokens, req.num_known_tokens)
+            x.tokens[pos:pos + stop - s.start] = req.token_slice(s.start, stop)
+            if stop < s.start + s.num_tokens:  # the one token still in flight
+                x.from_slot[pos + stop - s.start] = req.slot
+            pos += s.num_tokens
+            x.cu_seqlens[i + 1] = pos
+            x.start_pos[i] = s.start
+            x.slots[i] = req.slot
+            x.block_tables[i, :len(req.block_ids)] = req.block_ids
+            x.logits_indices[i] = pos - 1
+            if s.sample:
+                p = req.params
+                x.sample_slot[i] = req.slot
+                x.sampling.temperature[i] = p.temperature
+                x.sampling.top_k[i] = p.top_k
+                x.sampling.top_p[i] = p.top_p
+                x.sampling.min_p[i] = p.min_p
+                x.sampling.seed[i] = req.seed
+                x.sampling.position[i] = s.start + s.num_tokens
+        x.cu_seqlens[len(sched.seqs) + 1:] = pos
+        return x
+
+    def run(self, x: StepInputs, is_decode: bool) -> SampleResult:
+        """Dispatch one step; returns device arrays without waiting."""
+        key = (is_decode, len(x.tokens), len(x.start_pos))
+        if key not in self._programs:  # outside the buckets: the compile guard reports it
+            self._programs[key] = self._lower(*key).compile()
+        self.cache, self.last_token, out = self._programs[key](
+            self._leaves, self.cache, self.last_token, x)
+        return out

@@ -1,0 +1,39 @@
+"""Per-request sampling and stopping options (vLLM names and defaults)."""
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """`temperature == 0` is greedy. `top_k <= 0`, `top_p == 1` and `min_p == 0`
+    disable those filters. `seed` makes sampling reproducible and independent of
+    batch composition and preemption: the random key of every token is derived
+    from (seed, token position) only. `logprobs = n` returns the log-probability
+    of the chosen token and of the top n tokens (raw model distribution)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop_token_ids = list(self.stop_token_ids)
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError("min_p must be in [0, 1]")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError("logprobs must be >= 0")

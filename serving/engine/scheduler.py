@@ -1,0 +1,212 @@
+"""Continuous batching with chunked prefill, preemption by recompute, aborts.
+
+Every step gets a token budget (`max_num_batched_tokens`). Running requests
+are served first (single-token decodes before prefill chunks, so a long prompt
+cannot starve decodes), then waiting requests are admitted strictly in arrival
+order (a request that does not fit blocks everyone behind it: fair, no
+starvation of long prompts). A prompt longer than the remaining budget is cut
+into chunks; the next chunk continues from the KV blocks and the GDN slot.
+
+When a running request needs a block and none is free, the most recently
+admitted request is preempted: its memory is released (through the fence) and
+it goes back to the head of the queue to be recomputed from its prompt plus
+the tokens it has already generated. Before preempting, the scheduler waits
+for memory that is only held back by the fence, so fenced releases never cause
+preemption thrashing (cf. vLLM PR #49675).
+
+A step is a decode step (`is_decode`) when every scheduled request feeds
+exactly one token that continues existing context; otherwise it runs through
+the prefill program, which also carries single-token decodes (mixed batch).
+"""
+
+from collections import deque
+from dataclasses import dataclass
+
+from serving.engine.block_pool import BlockPool
+from serving.engine.fence import StepFence
+from serving.engine.request import Request, Status
+from serving.engine.state_pool import SlotPool
+
+
+@dataclass
+class ScheduledSeq:
+    request: Request
+    start: int  # tokens already in the cache (start_pos)
+    num_tokens: int  # tokens fed this step
+    sample: bool  # the chunk reaches the end of the known tokens: its logits are used
+    epoch: int
+
+
+@dataclass
+class SchedulerOutput:
+    seqs: list[ScheduledSeq]
+    is_decode: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.seqs)
+
+
+class Scheduler:
+    def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                 block_size: int, blocks: BlockPool, slots: SlotPool, fence: StepFence):
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.blocks = blocks
+        self.slots = slots
+        self.fence = fence
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order
+        self.transferring: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # ---- queue management -------------------------------------------------
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.transferring)
+
+    def finish(self, req: Request, reason: str, stop_reason=None) -> None:
+        """Finish or abort `req` in any state; its memory goes back through the
+        fence, unless it is held for a transfer lease or still being filled by
+        a transfer (then `end_transfer` releases it)."""
+        if req.is_finished:
+            return
+        if req.status is Status.WAITING:
+            self.waiting.remove(req)
+        elif req.status is Status.RUNNING:
+            self.running.remove(req)
+        req.finish_reason, req.stop_reason = reason, stop_reason
+        transferring = req.status is Status.WAITING_FOR_TRANSFER
+        req.status = Status.FINISHED
+        req.epoch += 1
+        if not (req.hold_on_finish or transferring):
+            self.release(req)
+
+    def release(self, req: Request) -> None:
+        """Return a request's blocks and slot once in-flight steps are done."""
+        blocks, slot = req.block_ids, req.slot
+        req.block_ids, req.slot = [], None
+
+        def give_back():
+            self.blocks.free(blocks)
+            if slot is not None:
+                self.slots.free(slot)
+
+        if blocks or slot is not None:
+            self.fence.defer(give_back)
+
+    # ---- transfers (disaggregated decode side) ----------------------------
+
+    def begin_transfer(self, req: Request) -> bool:
+        """Reserve blocks and a slot for a request whose prompt KV and GDN state
+        will be written by a transfer. The memory comes from the pool, which
+        only ever holds memory that no dispatched step can still write, and the
+        request is not scheduled until `end_transfer`, so no step touches the
+        memory while the transfer fills it. False if there is no room now."""
+        need = self._blocks_for(req.num_prompt_tokens)
+        if self.slots.num_free == 0 or self.blocks.num_free < need:
+            return False
+        if len(self.running) + len(self.transferring) >= self.max_num_seqs:
+            return False
+        req.slot = self.slots.allocate()
+        req.block_ids = self.blocks.allocate(need)
+        req.status = Status.WAITING_FOR_TRANSFER
+        self.transferring[req.request_id] = req
+        return True
+
+    def end_transfer(self, req: Request, ok: bool) -> None:
+        """The transfer into `req`'s memory has completed (or failed)."""
+        del self.transferring[req.request_id]
+        if req.is_finished:  # aborted while the transfer was writing
+            self.release(req)
+            return
+        # On failure the prompt is recomputed in the same memory: start_pos 0
+        # never reads the slot and the KV is rewritten, so nothing is zeroed.
+        req.num_computed_tokens = req.num_prompt_tokens if ok else 0
+        req.status = Status.RUNNING
+        self.running.append(req)
+
+    # ---- the step -------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        seqs: list[ScheduledSeq] = []
+        scheduled: set[int] = set()
+        preempted = False
+        work = [(r, self._remaining(r)) for r in self.running]
+        for req, left in [w for w in work if w[1] == 1] + [w for w in work if w[1] > 1]:
+            if req.status is not Status.RUNNING:  # preempted earlier in this pass
+                continue
+            n = min(left, budget)
+            if n <= 0:
+                break
+            while not self._grow(req, req.num_computed_tokens + n, may_wait=True):
+                victim = next((r for r in reversed(self.running)
+                               if id(r) not in scheduled and r is not req), req)
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            if req.status is Status.RUNNING:
+                seqs.append(self._take(req, n))
+                scheduled.add(id(req))
+                budget -= n
+        while (not preempted and self.waiting and budget > 0
+               and len(self.running) + len(self.transferring) < self.max_num_seqs
+               and self.slots.num_free > 0):
+            req = self.waiting[0]
+            n = min(self._remaining(req), budget)
+            if not self._grow(req, n, may_wait=False):
+                break
+            self.waiting.popleft()
+            req.slot = self.slots.allocate()
+            req.status = Status.RUNNING
+            self.running.append(req)
+            seqs.append(self._take(req, n))
+            budget -= n
+        is_decode = bool(seqs) and all(s.num_tokens == 1 and s.start > 0 for s in seqs)
+        return SchedulerOutput(seqs, is_decode)
+
+    def _remaining(self, req: Request) -> int:
+        """Tokens `req` can be fed now: zero once its last sample is in flight."""
+        if req.num_generated >= req.params.max_tokens or req.num_tokens >= self.max_model_len:
+            return 0
+        return req.num_tokens - req.num_computed_tokens
+
+    def _take(self, req: Request, n: int) -> ScheduledSeq:
+        start = req.num_computed_tokens
+        req.num_computed_tokens += n
+        sample = req.num_computed_tokens == req.num_tokens
+        if sample:
+            req.num_pending += 1
+        return ScheduledSeq(req, start, n, sample, req.epoch)
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _grow(self, req: Request, num_tokens: int, may_wait: bool) -> bool:
+        need = self._blocks_for(num_tokens) - len(req.block_ids)
+        if need <= 0:
+            return True
+        if need > self.blocks.num_free and may_wait and self.fence.num_pending:
+            self.fence.wait_all()
+        if need > self.blocks.num_free:
+            return False
+        req.block_ids += self.blocks.allocate(need)
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.release(req)
+        req.num_computed_tokens = 0
+        req.num_pending = 0  # a sample still in flight is dropped (epoch below)
+        req.epoch += 1
+        req.num_preemptions += 1
+        req.status = Status.WAITING
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1

@@ -1,0 +1,29 @@
+"""Stop conditions, checked on the host after each new token (vLLM semantics:
+EOS unless `ignore_eos`, stop token ids, stop strings, `max_tokens`, and the
+model length limit)."""
+
+from serving.engine.request import Request
+
+
+def check_stop(req: Request, config, tokenizer) -> tuple[str | None, int | str | None]:
+    """Returns (finish_reason, stop_reason) or (None, None) to continue."""
+    p = req.params
+    tok = req.output_token_ids[-1]
+    if not p.ignore_eos and tok in config.eos_token_ids:
+        return "stop", None
+    if tok in p.stop_token_ids:
+        return "stop", tok
+    if p.stop:
+        # Decoding the whole output each token is quadratic in its length, but
+        # only requests with stop strings pay it and it stays correct across
+        # multi-token characters; incremental detokenization can replace it.
+        seen = len(req.output_text)
+        req.output_text = text = tokenizer.decode(req.output_token_ids)
+        for s in p.stop:
+            i = text.find(s, max(0, seen - len(s) + 1))
+            if i >= 0:
+                req.output_text = text[:i + len(s)] if p.include_stop_str_in_output else text[:i]
+                return "stop", s
+    if len(req.output_token_ids) >= p.max_tokens or req.num_known_tokens >= config.max_model_len:
+        return "length", None
+    return None, None

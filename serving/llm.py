@@ -1,0 +1,72 @@
+"""`LLM`: generate from a notebook or script in three lines.
+
+    from serving import LLM, SamplingParams
+    llm = LLM("tiny", num_blocks=256)               # a preset with random weights,
+    llm = LLM("/ckpt/Qwen3.5-0.8B")                 # a checkpoint directory,
+    llm = LLM(model)                                # or a model object
+    outs = llm.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=32, temperature=0))
+
+Prompts are token-id lists; strings are accepted when a tokenizer is given
+(or found in the checkpoint directory). Keyword arguments are EngineConfig
+fields (max_num_seqs, max_num_batched_tokens, max_model_len, num_blocks, ...).
+"""
+
+import os
+
+import jax
+import jax.numpy as jnp
+
+from serving.engine import Engine, EngineConfig, RequestOutput, SamplingParams
+from serving.engine.capacity import allocate_cache, plan_capacity
+
+
+def _load_model(model, dtype, seed):
+    import qwen35_jax
+
+    if not isinstance(model, str):
+        return model
+    if os.path.isdir(model):
+        return qwen35_jax.from_pretrained(model, dtype=dtype)
+    return qwen35_jax.init_random(qwen35_jax.get_preset(model), seed=seed, dtype=dtype)
+
+
+def _load_tokenizer(tokenizer, model):
+    if tokenizer is None and isinstance(model, str) and os.path.isfile(
+            os.path.join(model, "tokenizer.json")):
+        tokenizer = model
+    if isinstance(tokenizer, str):
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(tokenizer)
+    return tokenizer
+
+
+class LLM:
+    def __init__(self, model, *, tokenizer=None, dtype=None, seed: int = 0, **engine_kwargs):
+        if dtype is None:  # bf16 on accelerators; float32 on CPU, where bf16 is slow
+            dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+        self.model = _load_model(model, dtype, seed)
+        self.tokenizer = _load_tokenizer(tokenizer, model)
+        cfg = self.model.config
+        engine_kwargs.setdefault("eos_token_ids", tuple(cfg.eos_token_ids))
+        engine_kwargs.setdefault("seed", seed)
+        config = EngineConfig(**engine_kwargs)
+        self.cache_report = plan_capacity(cfg, config, dtype)
+        cache = allocate_cache(cfg, config, dtype)
+        self.engine = Engine(self.model, cache, config, tokenizer=self.tokenizer)
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """Prompts: one or many, as token-id lists or (with a tokenizer) strings."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        ids = []
+        for p in prompts:
+            if isinstance(p, str):
+                if self.tokenizer is None:
+                    raise ValueError("string prompts need a tokenizer; pass token ids")
+                p = self.tokenizer.encode(p)
+            ids.append(list(p))
+        return self.engine.generate(ids, sampling_params)
+
+    def metrics(self) -> dict:
+        return {**self.engine.metrics(), "cache": self.cache_report}

@@ -1,0 +1,323 @@
+"""A prefill or decode worker: one engine, its cache in registered memory, a NIXL
+transfer endpoint, and a small HTTP API for the router.
+
+    python -m serving.worker --role prefill --model tiny --port 8101
+    python -m serving.worker --role decode  --model tiny --port 8102
+
+Prefill (``POST /prefill``): computes the prompt, samples the first token and,
+if the request goes on, pins the prompt's KV blocks and GDN state under a lease
+and returns the transfer parameters with the token.  The memory is freed when
+the decode side's READ notification arrives, when the decode side drops the
+lease, or when the lease expires.
+
+Decode (``POST /decode``, NDJSON stream): reserves fresh blocks and a slot,
+READs the prefill side's bytes into them, and only then lets the engine
+schedule the request, starting after the prompt with the first token already
+known; so no token is applied to the GDN state twice.  A failed or timed-out
+transfer ends the request with an error, or recomputes the prompt locally with
+``--on-transfer-failure recompute``.  A client that disconnects aborts its
+request.
+
+All transfer-manager calls run on the engine thread (``AsyncEngine.call`` and
+the tick), which owns the engine and the manager alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+
+import jax
+import jax.numpy as jnp
+import uvicorn
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from serving.async_engine import AsyncEngine, EngineDead, EngineOverloaded
+from serving.engine import Engine, EngineConfig, SamplingParams
+from serving.engine.capacity import plan_capacity
+from serving.kv_transfer import allocate_registered_cache, compat_record
+from serving.llm import _load_model as load_model
+from transfer import Agent, Faults, TransferManager, TransferParamsError
+
+log = logging.getLogger("serving.worker")
+
+
+class TransferFailed(RuntimeError):
+    """The request's KV/state transfer failed; the message says how."""
+
+
+class Worker:
+    """Engine + transfer manager of one role; the HTTP handlers call into this."""
+
+    def __init__(self, role: str, model, config: EngineConfig, *, model_name: str, dtype,
+                 lease_ttl: float = 30.0, transfer_timeout: float = 30.0,
+                 recompute_on_failure: bool = False, faults: Faults | None = None,
+                 host: str = "127.0.0.1", transfer_port: int = 0):
+        if role not in ("prefill", "decode"):
+            raise ValueError(f"role must be prefill or decode, got {role!r}")
+        self.role, self.model_name = role, model_name
+        self.transfer_timeout, self.recompute = transfer_timeout, recompute_on_failure
+        cfg = model.config
+        self.capacity = plan_capacity(cfg, config, dtype)
+        cache, regions, self.layout = allocate_registered_cache(
+            cfg, num_blocks=config.num_blocks, block_size=config.block_size,
+            num_slots=config.num_slots, dtype=dtype, ssm_dtype=jnp.dtype(config.ssm_dtype))
+        self.compat = compat_record(cfg, cache, model_name)
+        self.regions = {r.name: r for r in regions}
+        engine = Engine(model, cache, config, batch_type=_batch_type())
+        self.agent = Agent(regions, name=f"{role}-{id(self):x}")
+        self.transfer = TransferManager(self.agent, self.compat, host=host, port=transfer_port,
+                                        lease_ttl=lease_ttl, faults=faults)
+        self._pulls: dict[int, str] = {}  # pull id -> request id (engine thread only)
+        self.counters = {"transfers": 0, "transfer_bytes": 0, "transfer_seconds": 0.0,
+                         "transfer_descriptors": 0, "transfer_failures": 0, "leases_expired": 0}
+        self.engine = AsyncEngine(engine, tick=self._tick)
+
+    # ---- prefill ------------------------------------------------------------------------
+
+    async def prefill(self, request_id: str, prompt: list[int], params: SamplingParams) -> dict:
+        """Prompt -> first token, plus transfer params when the request continues."""
+        first = dataclasses.replace(params, max_tokens=1)
+        stream = await self.engine.add(
+            request_id, prompt, first,
+            submit=lambda eng: eng.add_request(prompt, first, request_id, hold_on_finish=True))
+        out = None
+        try:
+            async for out in stream:
+                pass
+        except BaseException:
+            await self.engine.call(lambda eng: _release_quietly(eng, request_id))
+            raise
+        goes_on = out.finish_reason == "length" and params.max_tokens > 1
+        result = {"token_ids": list(out.token_ids), "logprobs": out.logprobs,
+                  "finish_reason": None if goes_on else out.finish_reason,
+                  "stop_reason": out.stop_reason, "transfer": None}
+        if goes_on:
+            result["transfer"] = await self.engine.call(
+                lambda eng: self._pin(eng, request_id, len(prompt)))
+        else:
+            await self.engine.call(lambda eng: eng.release(request_id))
+        return result
+
+    def _pin(self, eng, request_id: str, num_tokens: int) -> dict:
+        req = eng.requests[request_id]
+        items = self.layout.items(req.block_ids, req.slot, num_tokens)
+
+        def on_free(lease: str, reason: str) -> None:
+            if reason == "expired":
+                self.counters["leases_expired"] += 1
+                log.warning("lease %s of %s expired before a decode worker pulled it",
+                            lease, request_id)
+            eng.release(request_id)
+
+        try:
+            return self.transfer.pin(items, on_free=on_free)
+        except Exception:
+            eng.release(request_id)
+            raise
+
+    # ---- decode -------------------------------------------------------------------------
+
+    async def decode(self, request_id: str, prompt: list[int], first_token: int,
+                     params: SamplingParams, transfer: dict):
+        """Pull the prompt's cache, then stream the engine's outputs."""
+        return await self.engine.add(
+            request_id, prompt, params,
+            submit=lambda eng: self._start_pull(eng, request_id, prompt, first_token, params,
+                                                transfer))
+
+    def _start_pull(self, eng, request_id, prompt, first_token, params, transfer) -> None:
+        reserved = eng.add_remote_request(prompt, first_token, params, request_id)
+        if reserved is None:
+            raise EngineOverloaded("no free KV blocks or state slot for a transfer now")
+        _, blocks, slot = reserved
+        try:
+            pull_id = self.transfer.pull(transfer, self.layout.items(blocks, slot, len(prompt)),
+                                         timeout=self.transfer_timeout)
+        except BaseException:
+            eng.abort(request_id)
+            eng.finish_transfer(request_id, ok=False)
+            raise
+        self._pulls[pull_id] = request_id
+
+    def _tick(self, eng) -> bool:
+        """Engine-thread housekeeping between steps; True while transfers are pending."""
+        for c in self.transfer.poll():
+            request_id = self._pulls.pop(c.pull_id, None)
+            if request_id is None:
+                continue
+            if c.ok:
+                self.counters["transfers"] += 1
+                self.counters["transfer_bytes"] += c.nbytes
+                self.counters["transfer_seconds"] += c.seconds
+                self.counters["transfer_descriptors"] += c.descriptors
+                eng.finish_transfer(request_id, ok=True)
+                continue
+            self.counters["transfer_failures"] += 1
+            log.error("transfer for %s failed: %s", request_id, c.error)
+            if self.recompute:
+                eng.finish_transfer(request_id, ok=False)
+            else:
+                self.engine.fail(request_id, TransferFailed(f"KV/state transfer failed ({c.error})"))
+                eng.finish_transfer(request_id, ok=True)
+        return bool(self._pulls) or self.transfer.leases > 0
+
+    # ---- status -------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        return {**self.engine.stats(), **self.counters, "leases": self.transfer.leases,
+                "pending_pulls": len(self._pulls)}
+
+    def info(self) -> dict:
+        return {"role": self.role, "model": self.model_name, "agent": self.agent.name,
+                "transfer_address": list(self.transfer.address), "compat": self.compat,
+                "max_model_len": self.engine.max_model_len,
+                "max_logprobs": self.engine.max_logprobs, "capacity": self.capacity}
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+        self.transfer.close()
+
+
+def _batch_type():
+    from qwen35_jax.batch import Batch
+
+    return Batch
+
+
+def _release_quietly(eng, request_id: str) -> None:
+    """Free a held prefill request whose caller went away before its lease was made."""
+    req = eng.requests.get(request_id)
+    if req is None:
+        return
+    if req.is_finished:
+        eng.release(request_id)
+    else:
+        eng.abort(request_id)
+        if request_id in eng.requests:
+            eng.release(request_id)
+
+
+def _params(d: dict) -> SamplingParams:
+    try:
+        return SamplingParams(**d)
+    except (TypeError, ValueError) as e:
+        raise HTTPException(400, f"bad sampling params: {e}") from None
+
+
+def output_json(out) -> dict:
+    return {"token_ids": list(out.token_ids), "new_token_ids": list(out.new_token_ids),
+            "finished": out.finished, "finish_reason": out.finish_reason,
+            "stop_reason": out.stop_reason,
+            "logprobs": out.logprobs[-len(out.new_token_ids):] if out.logprobs and out.new_token_ids
+            else None,
+            "num_preemptions": out.num_preemptions}
+
+
+def build_app(worker: Worker, *, fault_injection: bool = False) -> FastAPI:
+    app = FastAPI(title=f"qwen35-jax {worker.role} worker")
+
+    @app.exception_handler(EngineOverloaded)
+    async def _overloaded(_, e):
+        return JSONResponse({"detail": str(e)}, status_code=503)
+
+    @app.exception_handler(EngineDead)
+    async def _dead(_, e):
+        return JSONResponse({"detail": str(e)}, status_code=503)
+
+    @app.exception_handler(TransferParamsError)
+    async def _bad_params(_, e):
+        return JSONResponse({"detail": f"transfer params refused: {e}"}, status_code=400)
+
+    @app.exception_handler(ValueError)
+    async def _bad(_, e):
+        return JSONResponse({"detail": str(e)}, status_code=400)
+
+    @app.get("/health")
+    async def health():
+        worker.engine.check_health()
+        return {"ok": True}
+
+    @app.get("/info")
+    async def info():
+        return worker.info()
+
+    @app.get("/stats")
+    async def stats():
+        return worker.stats()
+
+    if fault_injection:
+        @app.post("/debug/faults")
+        async def faults(body: dict):
+            """Make the next pulls fail (``fail_next``) or hang until timeout (``hang_next``)."""
+            for key in ("fail_next", "hang_next"):
+                setattr(worker.transfer.faults, key, int(body.get(key, 0)))
+            return {"ok": True}
+
+    if worker.role == "prefill":
+        @app.post("/prefill")
+        async def prefill(body: dict):
+            return await worker.prefill(str(body["request_id"]), list(body["prompt_token_ids"]),
+                                        _params(body.get("params", {})))
+    else:
+        @app.post("/decode")
+        async def decode(body: dict, request: Request):
+            stream = await worker.decode(
+                str(body["request_id"]), list(body["prompt_token_ids"]), int(body["first_token"]),
+                _params(body.get("params", {})), body["transfer"])
+
+            async def lines():
+                try:
+                    async for out in stream:
+                        yield json.dumps(output_json(out)) + "\n"
+                except (TransferFailed, EngineDead) as e:
+                    yield json.dumps({"error": str(e), "finished": True}) + "\n"
+                finally:
+                    await stream.aclose()  # a vanished client aborts its request
+
+            return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+    return app
+
+
+def main(argv=None):
+    from serving.api.server import engine_kwargs, parser
+
+    p = parser()
+    p.prog = "python -m serving.worker"
+    p.add_argument("--role", required=True, choices=["prefill", "decode"])
+    p.add_argument("--transfer-port", type=int, default=0, help="handshake port (0: any)")
+    p.add_argument("--lease-ttl", type=float, default=30.0,
+                   help="seconds a prefill result stays pinned without a pull")
+    p.add_argument("--transfer-timeout", type=float, default=30.0)
+    p.add_argument("--on-transfer-failure", choices=["error", "recompute"], default="error")
+    p.add_argument("--enable-fault-injection", action="store_true",
+                   help="expose POST /debug/faults (tests only)")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=a.log_level.upper(),
+                        format=f"%(asctime)s {a.role} %(levelname)s %(name)s: %(message)s")
+    name = a.model or a.model_tag
+    dtype = jnp.dtype(a.dtype) if a.dtype else (
+        jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
+    model = load_model(name, dtype, a.seed)
+    config = EngineConfig(eos_token_ids=tuple(model.config.eos_token_ids), seed=a.seed,
+                          **engine_kwargs(a))
+    t0 = time.perf_counter()
+    worker = Worker(a.role, model, config, model_name=name, dtype=dtype,
+                    lease_ttl=a.lease_ttl, transfer_timeout=a.transfer_timeout,
+                    recompute_on_failure=a.on_transfer_failure == "recompute",
+                    host=a.host, transfer_port=a.transfer_port)
+    log.info("%s worker ready in %.1f s: http %s:%d, transfer %s", a.role,
+             time.perf_counter() - t0, a.host, a.port, worker.transfer.address)
+    try:
+        uvicorn.run(build_app(worker, fault_injection=a.enable_fault_injection), host=a.host, port=a.port, log_level="warning")
+    finally:
+        worker.shutdown()
+
+
+if __name__ == "__main__":
+    main()

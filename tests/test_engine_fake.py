@@ -1,0 +1,278 @@
+"""Engine tests against the fake model (test_engine_fake_model.py): every scheduling
+path must give exactly the tokens of the sequence computed alone."""
+
+import jax
+import numpy as np
+import pytest
+
+from test_engine_fake_model import FakeBatch, FakeCache, FakeModel, reference_greedy, reference_next
+from serving.engine import Engine, EngineConfig, SamplingParams
+from serving.engine.buckets import Buckets
+
+VOCAB = 101
+NUM_BLOCKS, BLOCK, SLOTS = 48, 4, 8
+
+
+@pytest.fixture(scope="module")
+def engine():
+    cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=96,
+                       block_size=BLOCK, num_blocks=NUM_BLOCKS, num_slots=SLOTS,
+                       max_logprobs=3, eos_token_ids=(0,),
+                       buckets=Buckets(prefill_tokens=(16, 32), prefill_seqs=(2, 8),
+                                       decode_seqs=(4, 8)))
+    eng = Engine(FakeModel(VOCAB), FakeCache.allocate(NUM_BLOCKS, BLOCK, SLOTS), cfg,
+                 batch_type=FakeBatch)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(autouse=True)
+def restore(engine):
+    yield
+    engine.config.async_scheduling = True
+    engine.scheduler.max_num_batched_tokens = 32
+    assert_all_free(engine)
+
+
+def assert_all_free(engine):
+    assert not engine.has_unfinished()
+    engine.fence.wait_all()
+    assert engine.blocks.num_free == NUM_BLOCKS
+    assert engine.slots.num_free == SLOTS
+    assert not engine.requests
+    assert engine.metrics()["serving_compiles"] == 0
+
+
+def prompts(n, seed, lo=1, hi=60):
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(1, VOCAB, rng.integers(lo, hi))] for _ in range(n)]
+
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+@pytest.mark.parametrize("budget", [32, 7])
+def test_batched_greedy_equals_alone(engine, async_scheduling, budget):
+    """24 prompts, mixed lengths; with budget 7 every prompt is cut at odd,
+    block-unaligned chunk boundaries. The pool is small, so requests are also
+    preempted and recomputed."""
+    engine.config.async_scheduling = async_scheduling
+    engine.scheduler.max_num_batched_tokens = budget
+    ps = prompts(24, seed=budget)
+    before = engine.scheduler.num_preemptions
+    outs = engine.generate(ps, GREEDY)
+    for o, p in zip(outs, ps):
+        assert o.token_ids == reference_greedy(p, 24, VOCAB), o.request_id
+        assert o.finish_reason == "length"
+    assert engine.scheduler.num_preemptions > before  # the pool forced preemption
+
+
+def test_eos_stop_ids_and_logprobs(engine):
+    p = prompts(1, seed=3)[0]
+    ref = reference_greedy(p, 30, VOCAB)
+    stop_at = ref[5]
+    first = ref.index(stop_at)
+    o = engine.generate([p], SamplingParams(max_tokens=30, temperature=0, stop_token_ids=[stop_at],
+                                            logprobs=2))[0]
+    assert o.token_ids == ref[:first + 1] and o.stop_reason == stop_at
+    assert len(o.logprobs) == len(o.token_ids)
+    for tok, lp in zip(o.token_ids, o.logprobs):
+        assert max(lp, key=lp.get) == tok and len(lp) == 2  # chosen is the top-1
+    o = engine.generate([p], SamplingParams(max_tokens=30, temperature=0))[0]  # EOS = 0
+    assert 0 not in o.token_ids[:-1] and (o.token_ids[-1] == 0 or len(o.token_ids) == 30)
+
+
+def test_seeded_sampling_reproducible_and_batch_independent(engine):
+    ps = prompts(6, seed=4)
+    sp = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=1234)
+    a = [o.token_ids for o in engine.generate(ps, sp)]
+    engine.config.async_scheduling = False
+    b = [o.token_ids for o in engine.generate(ps[::-1], sp)][::-1]
+    assert a == b
+    c = engine.generate(ps[:1], SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=99))
+    assert c[0].token_ids != a[0]
+
+
+def test_aborts_at_any_point(engine):
+    ps = prompts(16, seed=5)
+    rng = np.random.default_rng(5)
+    ids = [engine.add_request(p, GREEDY) for p in ps]
+    abort_at = {i: int(rng.integers(0, 30)) for i in ids[::2]}
+    done, step = {}, 0
+    while engine.has_unfinished():
+        for rid, when in abort_at.items():
+            if when == step:
+                out = engine.abort(rid)
+                if out is not None:
+                    done[rid] = out
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o
+        step += 1
+    for rid, p in zip(ids, ps):
+        o = done[rid]
+        ref = reference_greedy(p, 24, VOCAB)
+        if rid in abort_at and o.finish_reason == "abort":
+            assert o.token_ids == ref[:len(o.token_ids)]
+        else:
+            assert o.token_ids == ref
+
+
+def test_transfer_target_filled_then_decoded(engine):
+    """The disaggregated decode side: reserve memory, fill it outside the step
+    programs (as a transfer would), then decode from it."""
+    p = prompts(1, seed=6, lo=20)[0]
+    first = reference_next(p, VOCAB)
+    rid, blocks, slot = engine.add_remote_request(p, first, GREEDY)
+    engine.step()  # nothing runs for it while the transfer is pending
+    assert engine.requests[rid].num_computed_tokens == 0
+
+    h = 0
+    for x in p:
+        h = (h * 31 + x) % 1_000_003
+    kv = np.full((len(blocks) * BLOCK,), 5, np.int32)
+    kv[:len(p)] = p
+    fill = jax.jit(lambda c, b, v, s, hv: FakeCache(c.kv.at[b].set(v), c.ssm.at[s].set(hv)),
+                   donate_argnums=0)
+    engine.runner.cache = fill(engine.runner.cache, np.asarray(blocks), kv.reshape(-1, BLOCK),
+                               slot, h)
+    engine.finish_transfer(rid, ok=True)
+    done = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert done[rid].token_ids == reference_greedy(p, 24, VOCAB)
+
+    rid2, _, _ = engine.add_remote_request(p, first, GREEDY)  # a failed transfer: recompute
+    engine.finish_transfer(rid2, ok=False)
+    while engine.has_unfinished():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert done[rid2].token_ids == reference_greedy(p, 24, VOCAB)
+
+
+def test_500_random_requests_fenced_and_all_memory_returned(engine):
+    """Random lengths, sampling options, aborts and incoming transfers. After
+    every step: no block or slot that a not-yet-completed step may write is in
+    a free pool (race A), nor reserved for a transfer in progress (race B).
+    At the end every block and slot is back, and nothing compiled."""
+    runner, fence = engine.runner, engine.fence
+    used = {}  # step seq -> (blocks, slots) it may write
+    run = runner.run
+
+    def recording_run(x, is_decode):
+        out = run(x, is_decode)
+        blocks, slots = set(), set()
+        for i in range(len(x.start_pos)):
+            n = int(x.cu_seqlens[i + 1] - x.cu_seqlens[i])
+            if n:
+                end = int(x.start_pos[i]) + n
+                blocks.update(int(b) for b in x.block_tables[i, :-(-end // BLOCK)])
+                slots.add(int(x.slots[i]))
+        used[fence.dispatched + 1] = (blocks, slots)
+        return out
+
+    runner.run = recording_run
+    try:
+        rng = np.random.default_rng(7)
+        live, transfers, n_added, n_done = [], {}, 0, 0
+        while n_added < 500 or engine.has_unfinished():
+            for _ in range(int(rng.integers(0, 4))):
+                if n_added < 500:
+                    sp = SamplingParams(max_tokens=int(rng.integers(1, 20)),
+                                        temperature=float(rng.choice([0, 0.8])),
+                                        top_k=int(rng.choice([0, 5])), seed=int(rng.integers(99)))
+                    p = prompts(1, seed=n_added, hi=50)[0]
+                    if rng.random() < 0.1:
+                        got = engine.add_remote_request(p, reference_next(p, VOCAB), sp)
+                        if got:
+                            transfers[got[0]] = (set(got[1]), {got[2]})
+                    else:
+                        live.append(engine.add_request(p, sp))
+                    n_added += 1
+            if live and rng.random() < 0.15:
+                engine.abort(live.pop(int(rng.integers(len(live)))))
+            for rid in [r for r in transfers if rng.random() < 0.2]:
+                del transfers[rid]  # "transfer failed": the prompt is recomputed locally
+                engine.finish_transfer(rid, ok=False)
+            engine.config.async_scheduling = bool(rng.random() < 0.8)
+            for o in engine.step():
+                n_done += o.finished
+            free_blocks = set(engine.blocks._free)
+            free_slots = set(engine.slots._free)
+            for seq, (blocks, slots) in used.items():
+                if seq > fence.completed:
+                    assert not blocks & free_blocks and not slots & free_slots, seq
+                    for t_blocks, t_slots in transfers.values():
+                        assert not blocks & t_blocks and not slots & t_slots, seq
+    finally:
+        runner.run = run
+    assert n_done > 300
+    assert_all_free(engine)
+
+
+def test_async_keeps_one_step_in_flight(engine):
+    """With async scheduling, step() returns with the step it dispatched still
+    queued on the device (its outputs are processed by the next call)."""
+    engine.add_request(prompts(1, seed=10)[0], GREEDY)
+    depths = []
+    while engine.has_unfinished():
+        engine.step()
+        depths.append(len(engine._inflight))
+    assert max(depths) == 1 and depths.count(1) >= 20
+
+
+def test_compile_during_serving_is_counted(engine):
+    """The guard behind every `serving_compiles == 0` assertion does fire."""
+    before, buckets = engine.compiles.serving_compiles, engine.runner.buckets
+    engine.runner.buckets = Buckets(prefill_tokens=(24,), prefill_seqs=(3,), decode_seqs=(5,))
+    try:
+        out = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0))
+    finally:
+        engine.runner.buckets = buckets
+    assert out[0].token_ids == reference_greedy([1, 2, 3], 2, VOCAB)
+    assert engine.compiles.serving_compiles == before + 2  # one prefill, one decode shape
+    engine.compiles.serving_compiles = before
+
+
+class CharTokenizer:
+    """Token t is the letter chr(97 + t % 26)."""
+    def encode(self, text):
+        return [ord(c) - 97 for c in text]
+
+    def decode(self, ids):
+        return "".join(chr(97 + t % 26) for t in ids)
+
+
+def test_stop_strings(engine):
+    engine.tokenizer = tok = CharTokenizer()
+    try:
+        p = prompts(1, seed=8)[0]
+        full = tok.decode(reference_greedy(p, 24, VOCAB))
+        stop = full[9:11]
+        cut = full.find(stop)
+        o = engine.generate([p], SamplingParams(max_tokens=24, temperature=0, stop=[stop]))[0]
+        assert o.finish_reason == "stop" and o.stop_reason == stop
+        assert o.text == full[:cut] and len(o.token_ids) == cut + len(stop)
+        o = engine.generate([p], SamplingParams(max_tokens=24, temperature=0, stop=stop,
+                                                include_stop_str_in_output=True))[0]
+        assert o.text == full[:cut + len(stop)]
+    finally:
+        engine.tokenizer = None
+
+
+def test_hold_on_finish_keeps_memory_until_released(engine):
+    """The prefill side of disaggregation: a finished request's blocks and slot
+    stay pinned (a transfer reads them) until the lease is released."""
+    p = prompts(1, seed=9, lo=20)[0]
+    with pytest.raises(ValueError):
+        engine.add_request(p, GREEDY, hold_on_finish=True)
+    rid = engine.add_request(p, SamplingParams(max_tokens=1, temperature=0), hold_on_finish=True)
+    while engine.has_unfinished():
+        engine.step()
+    engine.fence.wait_all()
+    req = engine.requests[rid]
+    assert req.is_finished and req.slot is not None
+    assert req.output_token_ids == [reference_next(p, VOCAB)]
+    assert engine.blocks.num_free == NUM_BLOCKS - len(req.block_ids)
+    assert engine.slots.num_free == SLOTS - 1
+    engine.release(rid)

@@ -1,0 +1,213 @@
+"""Acceptance tests of the engine with the real model (tiny preset, random
+weights, CPU): batched serving must reproduce each prompt run alone through
+`model(input_ids)`, token for token, whatever the scheduling does."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import qwen35_jax
+from serving import LLM, SamplingParams
+from serving.engine.buckets import Buckets
+
+MAX_TOKENS, REF_LEN = 12, 64
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+NUM_BLOCKS, NUM_SLOTS = 64, 8
+
+
+def init_random(name):
+    return qwen35_jax.init_random(qwen35_jax.get_preset(name), seed=0, dtype=jnp.float32)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return init_random("tiny")
+
+
+@pytest.fixture(scope="module")
+def llm(model, reference):
+    # Built after the reference, so that its compiles are not counted as serving compiles.
+    llm = LLM(model, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128,
+              block_size=8, num_blocks=NUM_BLOCKS, max_logprobs=4,
+              buckets=Buckets(prefill_tokens=(16, 64), prefill_seqs=(2, 8), decode_seqs=(4, 8)))
+    yield llm
+    llm.engine.close()
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(0)
+    return [[int(x) for x in rng.integers(2, 512, rng.integers(1, REF_LEN - MAX_TOKENS))]
+            for _ in range(24)]
+
+
+@pytest.fixture(scope="module")
+def reference(model, prompts):
+    return [greedy_alone(model, p, MAX_TOKENS, REF_LEN) for p in prompts]
+
+
+def greedy_alone(model, prompt, max_tokens, length):
+    """Greedy tokens of one prompt alone: a full forward of the sequence so far
+    (right-padded to one length: the model is causal), argmax at its last token."""
+    graphdef, state = nnx.split(model)
+    fwd = _forward(graphdef)
+    seq = list(prompt)
+    for _ in range(max_tokens):
+        ids = np.zeros((1, length), np.int32)
+        ids[0, :len(seq)] = seq
+        seq.append(int(np.asarray(fwd(state, ids))[len(seq) - 1].argmax()))
+    return seq[len(prompt):]
+
+
+@functools.cache
+def _forward(graphdef):
+    return jax.jit(lambda s, ids: nnx.merge(graphdef, s)(ids)[0])
+
+
+@pytest.fixture(autouse=True)
+def restore(llm):
+    yield
+    eng = llm.engine
+    eng.config.async_scheduling = True
+    eng.scheduler.max_num_batched_tokens = 64
+    assert not eng.has_unfinished()
+    eng.fence.wait_all()
+    assert eng.blocks.num_free == NUM_BLOCKS and eng.slots.num_free == NUM_SLOTS
+    assert not eng.requests
+    assert eng.metrics()["serving_compiles"] == 0  # nothing compiled after warm-up
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_batched_greedy_equals_alone(llm, prompts, reference, async_scheduling):
+    llm.engine.config.async_scheduling = async_scheduling
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    assert llm.engine.metrics()["num_preemptions"] == 0
+
+
+def test_preemption_and_chunk_boundaries_equal_uninterrupted(llm, prompts, reference):
+    eng = llm.engine
+    held = eng.blocks.allocate(NUM_BLOCKS - 12)  # shrink the pool: forces preemption
+    eng.scheduler.max_num_batched_tokens = 7  # odd, block-unaligned prefill chunks
+    before = eng.scheduler.num_preemptions
+    try:
+        outs = llm.generate(prompts, GREEDY)
+    finally:
+        eng.fence.wait_all()
+        eng.blocks.free(held)
+    assert eng.scheduler.num_preemptions > before
+    assert [o.token_ids for o in outs] == reference
+
+
+def test_aborts_leave_others_exact(llm, prompts, reference):
+    eng = llm.engine
+    rng = np.random.default_rng(1)
+    ids = [eng.add_request(p, GREEDY) for p in prompts]
+    abort_at = {ids[i]: int(rng.integers(0, 25)) for i in range(0, 24, 3)}
+    done, step = {}, 0
+    while eng.has_unfinished():
+        for rid, when in abort_at.items():
+            if when == step and (o := eng.abort(rid)) is not None:
+                done[rid] = o
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+        step += 1
+    for rid, ref in zip(ids, reference):
+        o = done[rid]
+        if o.finish_reason == "abort":
+            assert rid in abort_at and o.token_ids == ref[:len(o.token_ids)]
+        else:
+            assert o.token_ids == ref
+
+
+def test_seeded_sampling_repeats(llm, prompts):
+    sp = SamplingParams(max_tokens=10, temperature=0.9, top_k=50, top_p=0.95, seed=7, logprobs=3)
+    a = llm.generate(prompts[:6], sp)
+    llm.engine.config.async_scheduling = False
+    b = llm.generate(prompts[5::-1], sp)[::-1]  # other order, other batching, sync
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    for o in a:
+        assert len(o.logprobs) == len(o.token_ids)
+        assert all(t in lp and len(lp) in (3, 4) for t, lp in zip(o.token_ids, o.logprobs))
+    c = llm.generate(prompts[:1], SamplingParams(max_tokens=10, temperature=0.9, seed=8))
+    assert c[0].token_ids != a[0].token_ids
+
+
+def test_500_random_requests_no_compile_all_memory_back(llm):
+    """Random lengths, sampling options, stop ids, logprobs and aborts, async
+    toggled at random; the restore fixture then asserts every block and slot is
+    back and no compile happened after warm-up."""
+    eng = llm.engine
+    rng = np.random.default_rng(2)
+    live, added, finished = [], 0, 0
+    while added < 500 or eng.has_unfinished():
+        for _ in range(int(rng.integers(0, 5))):
+            if added < 500:
+                sp = SamplingParams(
+                    max_tokens=int(rng.integers(1, 8)), temperature=float(rng.choice([0, 1.0])),
+                    top_k=int(rng.choice([0, 20])), top_p=float(rng.choice([1.0, 0.8])),
+                    min_p=float(rng.choice([0, 0.05])), stop_token_ids=[int(rng.integers(512))],
+                    logprobs=int(rng.choice([0, 4])) if rng.random() < 0.3 else None)
+                prompt = [int(x) for x in rng.integers(2, 512, rng.integers(1, 48))]
+                live.append(eng.add_request(prompt, sp))
+                added += 1
+        if live and rng.random() < 0.1:
+            eng.abort(live.pop(int(rng.integers(len(live)))))
+        eng.config.async_scheduling = bool(rng.random() < 0.8)
+        finished += sum(o.finished for o in eng.step())
+    assert finished > 400
+    eng.runner.check_addresses()  # the donated cache never moved
+
+
+def test_moe_preset_batched_equals_alone():
+    """The MoE preset through the same engine (a smaller set)."""
+    model = init_random("tiny-moe")
+    rng = np.random.default_rng(3)
+    ps = [[int(x) for x in rng.integers(2, 512, rng.integers(1, 30))] for _ in range(6)]
+    refs = [greedy_alone(model, p, 6, 40) for p in ps]
+    llm = LLM(model, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, block_size=8,
+              num_blocks=32, buckets=Buckets(prefill_tokens=(32,), prefill_seqs=(4,),
+                                             decode_seqs=(4,)))
+    outs = llm.generate(ps, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    assert [o.token_ids for o in outs] == refs
+    assert llm.engine.metrics()["serving_compiles"] == 0
+    llm.engine.close()
+
+
+class CharTokenizer:
+    def encode(self, text):
+        return [ord(c) for c in text]
+
+    def decode(self, ids):
+        return "".join(chr(32 + t % 90) for t in ids)
+
+
+def test_llm_from_preset_name_with_string_prompts():
+    llm = LLM("tiny", tokenizer=CharTokenizer(), max_num_seqs=2, max_num_batched_tokens=32,
+              max_model_len=64, block_size=8, num_blocks=16,
+              buckets=Buckets(prefill_tokens=(32,), prefill_seqs=(2,), decode_seqs=(2,)))
+    out = llm.generate("hello", SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
+    assert out.token_ids == greedy_alone(llm.model, [ord(c) for c in "hello"], 4, 16)
+    assert out.text == CharTokenizer().decode(out.token_ids)
+    llm.engine.close()
+
+
+def test_string_prompt_needs_tokenizer(llm):
+    with pytest.raises(ValueError, match="tokenizer"):
+        llm.generate("hello")
+
+
+def test_offline_bench_runs_on_cpu(tmp_path):
+    from bench.offline import main
+
+    r = main(["--preset", "tiny", "--num-prompts", "8", "--input-len", "24", "--output-len", "8",
+              "--range-ratio", "0.5", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
+              "--num-blocks", "64", "--block-size", "8", "--prefill-token-buckets", "64",
+              "--prefill-seq-buckets", "4", "--decode-seq-buckets", "4",
+              "--json", str(tmp_path / "r.json")])
+    assert r["total_output_tokens"] >= 8 and r["output_throughput"] > 0 and r["ttft_ms"]["p99"] > 0
+    assert r["serving_compiles"] == 0 and 0 <= r["host_idle_share"] < 1
+    assert (tmp_path / "r.json").exists()

@@ -1,0 +1,187 @@
+"""Unit tests of the engine's host-side pieces: pools, fence, scheduler, buckets, sampler."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from serving.engine.block_pool import BlockPool
+from serving.engine.buckets import Buckets
+from serving.engine.fence import StepFence
+from serving.engine.request import Request, Status
+from serving.engine.sampler import SamplingArrays, sample
+from serving.engine.sampling_params import SamplingParams
+from serving.engine.scheduler import Scheduler
+from serving.engine.state_pool import SlotPool
+
+
+class Marker:
+    """Stands in for a step's output array."""
+    def __init__(self):
+        self.ready = False
+
+    def is_ready(self):
+        return self.ready
+
+    def block_until_ready(self):
+        self.ready = True
+
+
+def test_block_pool_ref_counts():
+    pool = BlockPool(4)
+    a = pool.allocate(3)
+    assert pool.num_free == 1
+    pool.incref(a[:1])
+    pool.free(a)
+    assert pool.num_free == 3 and pool.ref_count(a[0]) == 1
+    pool.free(a[:1])
+    assert pool.num_free == 4
+    with pytest.raises(ValueError):
+        pool.free(a[:1])
+    with pytest.raises(MemoryError):
+        pool.allocate(5)
+    assert pool.num_free == 4  # all or nothing
+
+
+def test_slot_pool():
+    pool = SlotPool(2)
+    s = pool.allocate()
+    pool.incref(s)
+    pool.free(s)
+    assert pool.num_free == 1
+    pool.free(s)
+    assert pool.num_free == 2 and pool.allocate() == s  # most recently freed reused first
+    with pytest.raises(ValueError):
+        pool.free(1 - s)
+
+
+def test_fence_defers_until_every_dispatched_step_completed():
+    fence, released = StepFence(), []
+    fence.defer(lambda: released.append("idle"))  # nothing in flight: immediate
+    m1, m2 = Marker(), Marker()
+    fence.on_dispatch(m1)
+    fence.on_dispatch(m2)
+    fence.defer(lambda: released.append("a"))
+    m1.ready = True
+    fence.poll()
+    assert released == ["idle"]  # step 2 still running
+    fence.on_dispatch(Marker())  # step 3, dispatched after the release: irrelevant to it
+    m2.ready = True
+    fence.poll()
+    assert released == ["idle", "a"]
+    fence.defer(lambda: released.append("b"))
+    fence.mark_completed(2)
+    assert released[-1] == "a"
+    fence.wait_all()
+    assert released[-1] == "b" and fence.num_pending == 0
+
+
+def make_scheduler(num_blocks=8, num_slots=4, max_num_seqs=4, budget=16, block_size=4):
+    fence = StepFence()
+    s = Scheduler(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=64,
+                  block_size=block_size, blocks=BlockPool(num_blocks), slots=SlotPool(num_slots),
+                  fence=fence)
+    return s, fence
+
+
+def req(i, n, max_tokens=8):
+    return Request(f"r{i}", list(range(1, n + 1)), SamplingParams(max_tokens=max_tokens), seed=i)
+
+
+def test_scheduler_chunks_and_fcfs():
+    s, _ = make_scheduler(budget=10)
+    a, b = req(0, 14), req(1, 3)
+    s.add(a), s.add(b)
+    out = s.schedule()
+    assert [(x.request.request_id, x.start, x.num_tokens, x.sample) for x in out.seqs] == \
+        [("r0", 0, 10, False)]  # b waits behind a's first chunk: FCFS
+    out = s.schedule()
+    assert [(x.request.request_id, x.start, x.num_tokens, x.sample) for x in out.seqs] == \
+        [("r0", 10, 4, True), ("r1", 0, 3, True)]
+    assert a.num_pending == 1 and not out.is_decode
+    # Both samples in flight: the next step feeds them as single-token decodes.
+    out = s.schedule()
+    assert out.is_decode and [x.num_tokens for x in out.seqs] == [1, 1]
+
+
+def test_scheduler_preempts_latest_and_waits_for_fence_first():
+    s, fence = make_scheduler(num_blocks=4, budget=32)
+    a, b = req(0, 8), req(1, 8)
+    s.add(a), s.add(b)
+    s.schedule()  # 2 + 2 blocks: pool empty
+    fence.on_dispatch(Marker())
+    for r in (a, b):  # their samples arrive
+        r.num_pending -= 1
+        r.output_token_ids.append(5)
+    out = s.schedule()  # a needs a 3rd block: b (latest) is preempted
+    assert [x.request for x in out.seqs] == [a]
+    assert b.status is Status.WAITING and b.num_computed_tokens == 0 and s.waiting[0] is b
+    assert s.num_preemptions == 1 and b.epoch == 1
+    assert fence.num_pending == 0  # the scheduler waited for the fence rather than preempt more
+    assert s.blocks.num_free == 1
+
+
+def test_scheduler_abort_and_transfer_reservation():
+    s, fence = make_scheduler()
+    a = req(0, 5)
+    assert s.begin_transfer(a)
+    assert a.status is Status.WAITING_FOR_TRANSFER and len(a.block_ids) == 2
+    assert s.schedule().seqs == []  # never scheduled while being filled
+    s.finish(a, "abort")  # aborted mid-transfer: memory still held by the transfer
+    assert s.blocks.num_free == 6 and s.slots.num_free == 3
+    s.end_transfer(a, ok=True)
+    assert s.blocks.num_free == 8 and s.slots.num_free == 4
+    b = req(1, 5)
+    assert s.begin_transfer(b)
+    s.end_transfer(b, ok=True)
+    assert b.status is Status.RUNNING and b.num_computed_tokens == 5
+
+
+def test_buckets_cover_every_pick():
+    bk = Buckets(prefill_tokens=(16, 40), prefill_seqs=(1, 2, 4, 8, 16, 32, 48), decode_seqs=(8, 48))
+    shapes = set(bk.all_shapes())
+    for tokens in range(1, 41):
+        for seqs in range(1, min(tokens, 48) + 1):
+            t, n = bk.pick(False, tokens, seqs)
+            assert (False, t, n) in shapes
+    assert bk.pick(True, 9, 9) == (48, 48)
+
+
+def test_sampler_filters_and_seeds():
+    f = jax.jit(sample, static_argnums=2)
+    logits = jnp.log(jnp.array([[0.2, 0.3, 0.5]] * 4096))
+    s = SamplingArrays.host(4096)
+    s.temperature[:], s.seed[:], s.position[:] = 1, 5, np.arange(4096)
+    freq = lambda: np.bincount(np.asarray(f(logits, s, 2).token), minlength=3) / 4096
+    np.testing.assert_allclose(freq(), [0.2, 0.3, 0.5], atol=0.03)
+    s.top_p[:] = 0.6
+    np.testing.assert_allclose(freq(), [0, 0.375, 0.625], atol=0.03)
+    s.top_p[:], s.top_k[:] = 1, 1
+    np.testing.assert_allclose(freq(), [0, 0, 1])
+    s.top_k[:], s.min_p[:] = 0, 0.5
+    np.testing.assert_allclose(freq(), [0, 0.375, 0.625], atol=0.03)
+    s.temperature[:] = 0
+    r = f(logits, s, 2)
+    assert (np.asarray(r.token) == 2).all()
+    np.testing.assert_allclose(np.asarray(r.logprob), np.log(0.5), rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(r.top_ids)[0], [2, 1])
+
+
+def test_capacity_split_from_memory_stats():
+    from qwen35_jax import get_preset
+    from qwen35_jax.cache import HybridCache
+    from serving.engine.capacity import plan_capacity
+    from serving.engine.config import EngineConfig
+
+    cfg = get_preset("35B-A3B")
+    c = EngineConfig(max_num_seqs=64, max_model_len=8192, block_size=16, memory_utilization=0.9)
+    gib = 2**30
+    r = plan_capacity(cfg, c, jnp.bfloat16, {"bytes_limit": 140 * gib, "bytes_in_use": 120 * gib})
+    block = HybridCache.bytes_per_block(cfg, 16, jnp.bfloat16)
+    slot = HybridCache.bytes_per_slot(cfg, jnp.bfloat16, jnp.float32)
+    assert r["num_slots"] == 64 and r["state_bytes"] == 64 * slot
+    assert c.num_blocks == r["num_blocks"] == (int(140 * gib * 0.9) - 120 * gib - 64 * slot) // block
+    assert r["kv_bytes"] + r["state_bytes"] <= r["budget_bytes"]
+    c = EngineConfig(max_num_seqs=4, max_model_len=256, block_size=16)
+    plan_capacity(cfg, c, jnp.bfloat16, {"bytes_limit": 140 * gib, "bytes_in_use": 0})
+    assert c.num_blocks == 4 * 16  # capped at what max_num_seqs sequences can use

@@ -1,0 +1,355 @@
+"""GDN kernels against a float64 NumPy oracle written from the token recurrence.
+
+Every Pallas kernel body runs here in interpret mode (backend="interpret").
+Interpret mode fills unwritten outputs with NaN (the poison), and NaN never
+passes; state pools are filled with random values before the call and rows
+that must not change are compared bit for bit.
+"""
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import gdn_decode, gdn_prefill
+from pallas_kernels.gdn import chunk_table
+
+F32_TOL = 1e-4
+BF16_TOL = 1e-2
+
+
+# ----------------------------------------------------------------------------
+# float64 oracle (token recurrence; not the chunked form)
+# ----------------------------------------------------------------------------
+def oracle_prefill(q, k, v, g, beta, cu, init, scale, l2):
+    """q,k [T,Hk,dk]; v [T,Hv,dv]; g,beta [T,Hv]; cu [N+1]; init [N,Hv,dk,dv]|None."""
+    q, k, v, g, beta = (np.asarray(a, np.float64) for a in (q, k, v, g, beta))
+    T, Hk, dk = q.shape
+    Hv, dv = v.shape[1:]
+    r = Hv // Hk
+    N = len(cu) - 1
+    if l2:
+        q = q / np.sqrt((q * q).sum(-1, keepdims=True) + 1e-6)
+        k = k / np.sqrt((k * k).sum(-1, keepdims=True) + 1e-6)
+    q = np.repeat(q, r, axis=1) * scale
+    k = np.repeat(k, r, axis=1)
+    o = np.zeros((T, Hv, dv))
+    fin = np.zeros((N, Hv, dk, dv)) if init is None else np.array(init, np.float64)
+    for n in range(N):
+        S = fin[n].copy()
+        for t in range(cu[n], cu[n + 1]):
+            S *= np.exp(g[t])[:, None, None]
+            vn = beta[t][:, None] * (v[t] - np.einsum("hkv,hk->hv", S, k[t]))
+            S += k[t][:, :, None] * vn[:, None, :]
+            o[t] = np.einsum("hkv,hk->hv", S, q[t])
+        fin[n] = S
+    return o, fin
+
+
+def rel_err(got, want):
+    got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
+    want = np.asarray(want, np.float64)
+    assert got.shape == want.shape, (got.shape, want.shape)
+    assert np.all(np.isfinite(got)), "non-finite output (unwritten / NaN)"
+    den = np.linalg.norm(want)
+    return np.linalg.norm(got - want) / max(den, 1e-30)
+
+
+def make_inputs(rng, B, T, Hk, Hv, dk, dv, dtype, l2):
+    q = rng.standard_normal((B, T, Hk, dk))
+    k = rng.standard_normal((B, T, Hk, dk))
+    if not l2:  # keep |k| ~ 1 so the delta rule stays stable
+        q = q / np.sqrt(dk)
+        k = k / np.sqrt(dk)
+    v = rng.standard_normal((B, T, Hv, dv))
+    g = -rng.uniform(0.01, 0.5, (B, T, Hv))
+    beta = rng.uniform(0.05, 1.0, (B, T, Hv))
+    cast = lambda a: jnp.asarray(a, dtype)
+    # g and beta stay float32 (as the model produces them)
+    return (cast(q), cast(k), cast(v), jnp.asarray(g, jnp.float32),
+            jnp.asarray(beta, jnp.float32))
+
+
+def _np(a):
+    return np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+
+
+# the Pallas bodies (interpret) on every case, the chunked reference on some;
+# the token-by-token reference on one packed case (test_prefill_recurrent_reference)
+
+# (B, T, ratio, dtype, with_init, l2)
+SINGLE_CASES = [
+    (2, 1, 1, "float32", True, False),
+    (1, 63, 2, "bfloat16", False, True),
+    (1, 64, 4, "float32", False, True),
+    (2, 65, 1, "bfloat16", True, True),
+    (1, 200, 2, "float32", True, True),
+    (1, 200, 4, "bfloat16", True, False),
+]
+
+
+def _with_backends(cases, ref_idx):
+    """Every case on the Pallas bodies (interpret); the cases at ref_idx also on
+    the chunked reference (keeps the CPU suite fast)."""
+    out = [("interpret",) + tuple(c) for c in cases]
+    out += [("reference",) + tuple(cases[i]) for i in ref_idx]
+    return out
+
+
+@pytest.mark.parametrize("backend,B,T,ratio,dtype,with_init,l2",
+                         _with_backends(SINGLE_CASES, [3, 4]))
+def test_prefill_batched(backend, B, T, ratio, dtype, with_init, l2):
+    rng = np.random.default_rng(zlib.crc32(repr((B, T, ratio, dtype, with_init, l2)).encode()))
+    Hk, dk, dv = 2, 16, 32
+    Hv = Hk * ratio
+    dt = jnp.dtype(dtype)
+    q, k, v, g, beta = make_inputs(rng, B, T, Hk, Hv, dk, dv, dt, l2)
+    init = (jnp.asarray(rng.standard_normal((B, Hv, dk, dv)) * 0.5, jnp.float32)
+            if with_init else None)
+    fn = jax.jit(lambda *a: gdn_prefill(*a, initial_state=init, use_qk_l2norm=l2,
+                                        backend=backend, config=dict(bv=16)))
+    o, fin = fn(q, k, v, g, beta)
+    assert o.dtype == dt and o.shape == (B, T, Hv, dv)
+    assert fin.dtype == jnp.float32 and fin.shape == (B, Hv, dk, dv)
+    tol = F32_TOL if dtype == "float32" else BF16_TOL
+    cu = np.arange(B + 1) * T
+    flat = lambda a: _np(a).reshape((B * T,) + a.shape[2:])
+    o_ref, f_ref = oracle_prefill(flat(q), flat(k), flat(v), flat(g), flat(beta), cu,
+                                  None if init is None else _np(init), dk ** -0.5, l2)
+    assert rel_err(_np(o).reshape(B * T, Hv, dv), o_ref) < tol
+    assert rel_err(fin, f_ref) < tol
+
+
+# packed batches: lens, trailing padding, ratio, dtype, with_init
+PACKED_CASES = [
+    ([65, 0, 1, 130, 63, 64], 9, 1, "float32", True),
+    ([65, 0, 1, 130, 63, 64], 9, 2, "bfloat16", False),
+    ([200, 1, 0], 30, 4, "float32", False),
+    ([0, 64, 3, 0, 70], 1, 2, "bfloat16", True),
+    ([0, 5, 0], 11, 1, "float32", True),
+]
+
+
+@pytest.mark.parametrize("backend,lens,pad,ratio,dtype,with_init",
+                         _with_backends(PACKED_CASES, [0, 3]))
+def test_prefill_packed(backend, lens, pad, ratio, dtype, with_init):
+    rng = np.random.default_rng(sum(lens) * 7 + pad + ratio)
+    Hk, dk, dv = 2, 16, 32
+    Hv = Hk * ratio
+    N = len(lens)
+    T = sum(lens) + pad
+    dt = jnp.dtype(dtype)
+    q, k, v, g, beta = make_inputs(rng, 1, T, Hk, Hv, dk, dv, dt, True)
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    init = (jnp.asarray(rng.standard_normal((N, Hv, dk, dv)) * 0.5, jnp.float32)
+            if with_init else None)
+    fn = jax.jit(lambda cu_, *a: gdn_prefill(*a, initial_state=init, cu_seqlens=cu_,
+                                             use_qk_l2norm=True, backend=backend,
+                                             config=dict(bv=16)))
+    o, fin = fn(jnp.asarray(cu), q, k, v, g, beta)
+    o_ref, f_ref = oracle_prefill(_np(q[0]), _np(k[0]), _np(v[0]), _np(g[0]),
+                                  _np(beta[0]), cu, None if init is None else _np(init),
+                                  dk ** -0.5, True)
+    tol = F32_TOL if dtype == "float32" else BF16_TOL
+    o = _np(o[0])
+    assert rel_err(o, o_ref) < tol
+    assert rel_err(fin, f_ref) < tol
+    # padding tokens: exactly zero
+    assert np.all(o[cu[-1]:] == 0.0)
+    # zero-length sequences: final state == initial state (zeros without one)
+    for n, L in enumerate(lens):
+        if L == 0:
+            want = np.zeros((Hv, dk, dv)) if init is None else _np(init[n])
+            np.testing.assert_array_equal(_np(fin[n]), want)
+
+
+KERNEL_CONFIGS = [
+    (dict(inverse="subst", mode="M", bv=16), "float32"),
+    (dict(inverse="neumann", mode="M", bv=32, m_dtype="bfloat16"), "bfloat16"),
+    (dict(inverse="block32", mode="M", bv=16), "float32"),
+    (dict(inverse="block32", mode="wu", bv=32), "bfloat16"),
+]
+
+
+@pytest.mark.parametrize("config,dtype", KERNEL_CONFIGS,
+                         ids=lambda c: f"{c['inverse']}-{c['mode']}" if isinstance(c, dict) else c)
+def test_prefill_kernel_variants(config, dtype):
+    """Every intra-chunk inverse / launch split of the Pallas prefill body."""
+    rng = np.random.default_rng(len(str(config)) + len(dtype))
+    lens, pad, Hk, Hv, dk, dv = [70, 0, 1, 64, 40], 5, 1, 2, 16, 32
+    T = sum(lens) + pad
+    dt = jnp.dtype(dtype)
+    q, k, v, g, beta = make_inputs(rng, 1, T, Hk, Hv, dk, dv, dt, True)
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    init = jnp.asarray(rng.standard_normal((len(lens), Hv, dk, dv)) * 0.5, jnp.float32)
+    o, fin = jax.jit(lambda c, *a: gdn_prefill(*a, initial_state=init, cu_seqlens=c,
+                                               use_qk_l2norm=True, backend="interpret",
+                                               config=config))(jnp.asarray(cu), q, k, v, g, beta)
+    o_ref, f_ref = oracle_prefill(_np(q[0]), _np(k[0]), _np(v[0]), _np(g[0]), _np(beta[0]),
+                                  cu, _np(init), dk ** -0.5, True)
+    tol = F32_TOL if dtype == "float32" else BF16_TOL
+    assert rel_err(o[0], o_ref) < tol
+    assert rel_err(fin, f_ref) < tol
+    assert np.all(_np(o[0])[cu[-1]:] == 0.0)
+
+
+def test_auto_backend_is_reference_on_cpu():
+    from pallas_kernels._dispatch import resolve
+    if jax.default_backend() == "cpu":
+        for op in ("gdn_prefill", "gdn_decode", "conv1d_prefill", "conv1d_update"):
+            assert resolve(op, "auto") == "reference"
+    with pytest.raises(ValueError):
+        resolve("gdn_prefill", "nope")
+
+
+@pytest.mark.parametrize("backend", ["interpret", "reference"])
+def test_prefill_traced_cu_seqlens_one_compile(backend):
+    """Same static shapes, different cu_seqlens values, one jitted function."""
+    rng = np.random.default_rng(5)
+    Hk, Hv, dk, dv, T = 2, 4, 16, 16, 150
+    q, k, v, g, beta = make_inputs(rng, 1, T, Hk, Hv, dk, dv, jnp.float32, True)
+    init = jnp.asarray(rng.standard_normal((3, Hv, dk, dv)), jnp.float32)
+    fn = jax.jit(lambda cu_, *a: gdn_prefill(*a, initial_state=init, cu_seqlens=cu_,
+                                             use_qk_l2norm=True, backend=backend))
+    for lens in ([70, 0, 64], [1, 128, 20], [0, 0, 149]):
+        cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        o, fin = fn(jnp.asarray(cu), q, k, v, g, beta)
+        o_ref, f_ref = oracle_prefill(_np(q[0]), _np(k[0]), _np(v[0]), _np(g[0]),
+                                      _np(beta[0]), cu, _np(init), dk ** -0.5, True)
+        assert rel_err(o[0], o_ref) < F32_TOL
+        assert rel_err(fin, f_ref) < F32_TOL
+    assert fn._cache_size() == 1
+
+
+def test_prefill_recurrent_reference():
+    """The token-by-token reference (backend="recurrent") on a packed batch."""
+    rng = np.random.default_rng(21)
+    lens, pad, Hk, Hv, dk, dv = [65, 0, 1, 130], 7, 1, 4, 16, 16
+    T = sum(lens) + pad
+    q, k, v, g, beta = make_inputs(rng, 1, T, Hk, Hv, dk, dv, jnp.float32, True)
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    init = jnp.asarray(rng.standard_normal((len(lens), Hv, dk, dv)), jnp.float32)
+    o, fin = jax.jit(lambda c, *a: gdn_prefill(*a, initial_state=init, cu_seqlens=c,
+                                               use_qk_l2norm=True, backend="recurrent"))(
+        jnp.asarray(cu), q, k, v, g, beta)
+    o_ref, f_ref = oracle_prefill(_np(q[0]), _np(k[0]), _np(v[0]), _np(g[0]), _np(beta[0]),
+                                  cu, _np(init), dk ** -0.5, True)
+    assert rel_err(o[0], o_ref) < F32_TOL
+    assert rel_err(fin, f_ref) < F32_TOL
+    assert np.all(_np(o[0])[cu[-1]:] == 0.0)
+    np.testing.assert_array_equal(_np(fin[1]), _np(init[1]))
+
+
+@pytest.mark.parametrize("backend", ["interpret", "reference"])
+def test_prefill_no_final_state_and_scale(backend):
+    rng = np.random.default_rng(11)
+    q, k, v, g, beta = make_inputs(rng, 1, 40, 1, 2, 16, 16, jnp.float32, True)
+    o, fin = jax.jit(lambda *a: gdn_prefill(*a, scale=0.3, output_final_state=False,
+                                            use_qk_l2norm=True, backend=backend))(
+        q, k, v, g, beta)
+    assert fin is None
+    o_ref, _ = oracle_prefill(_np(q[0]), _np(k[0]), _np(v[0]), _np(g[0]),
+                              _np(beta[0]), [0, 40], None, 0.3, True)
+    assert rel_err(o[0], o_ref) < F32_TOL
+
+
+def test_chunk_table_never_crosses_sequences():
+    lens = [65, 0, 1, 130, 63, 64, 0]
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+    T = sum(lens) + 17
+    tab = jax.jit(lambda c: chunk_table(c, T))(cu)
+    assert tab["c_max"] == -(-T // 64) + len(lens)
+    covered = np.zeros(T, int)
+    for s, st, ln in zip(np.asarray(tab["seq"]), np.asarray(tab["start"]),
+                         np.asarray(tab["length"])):
+        if ln == 0:
+            continue
+        assert ln <= 64
+        assert np.asarray(cu)[s] <= st and st + ln <= np.asarray(cu)[s + 1]
+        covered[st:st + ln] += 1
+    assert np.all(covered[:sum(lens)] == 1) and np.all(covered[sum(lens):] == 0)
+
+
+# ----------------------------------------------------------------------------
+# decode
+# ----------------------------------------------------------------------------
+def oracle_decode(q, k, v, g, beta, pool, slots, scale, l2):
+    N = q.shape[0]
+    P = pool.shape[0]
+    o = np.zeros((N,) + v.shape[1:])
+    pool = np.array(pool, np.float64)
+    for n in range(N):
+        s = int(slots[n])
+        if not 0 <= s < P:
+            continue
+        cu = [0, 1]
+        init = pool[s][None]
+        on, fn = oracle_prefill(q[n:n + 1], k[n:n + 1], v[n:n + 1], g[n:n + 1],
+                                beta[n:n + 1], cu, init, scale, l2)
+        o[n] = on[0]
+        pool[s] = fn[0]
+    return o, pool
+
+
+DECODE_CASES = [
+    (1, "float32", "float32", True),
+    (2, "bfloat16", "float32", True),
+    (4, "bfloat16", "bfloat16", False),
+    (2, "float32", "bfloat16", True),
+]
+
+
+@pytest.mark.parametrize("backend,ratio,dtype,state_dtype,l2",
+                         _with_backends(DECODE_CASES, [1, 2]))
+def test_decode(backend, ratio, dtype, state_dtype, l2):
+    rng = np.random.default_rng(ratio * 13 + len(dtype) + len(state_dtype))
+    Hk, dk, dv, P = 2, 16, 32, 6
+    Hv = Hk * ratio
+    slots = np.array([3, -1, 0, 7, 5, 6], np.int32)  # -1, 7 (>= P), 6 (== P): padding
+    N = len(slots)
+    dt = jnp.dtype(dtype)
+    sdt = jnp.dtype(state_dtype)
+    q, k, v, g, beta = make_inputs(rng, 1, N, Hk, Hv, dk, dv, dt, l2)
+    q, k, v, g, beta = (a[0] for a in (q, k, v, g, beta))
+    pool = jnp.asarray(rng.standard_normal((P, Hv, dk, dv)) * 0.5, sdt)
+    pool_before = np.asarray(jnp.asarray(pool, jnp.float32))
+    fn = jax.jit(lambda p, s, *a: gdn_decode(*a, p, s, use_qk_l2norm=l2,
+                                             backend=backend, config=dict(bv=16)),
+                 donate_argnums=0)
+    o, new_pool = fn(pool, jnp.asarray(slots), q, k, v, g, beta)
+    assert o.dtype == dt and new_pool.dtype == sdt and new_pool.shape == (P, Hv, dk, dv)
+    o_ref, p_ref = oracle_decode(_np(q), _np(k), _np(v), _np(g), _np(beta),
+                                 pool_before, slots, dk ** -0.5, l2)
+    tol = F32_TOL if (dtype == "float32" and state_dtype == "float32") else BF16_TOL
+    o = _np(o)
+    assert rel_err(o, o_ref) < tol
+    assert np.all(o[[1, 3, 5]] == 0.0)
+    new_pool = np.asarray(jnp.asarray(new_pool, jnp.float32))
+    touched = [0, 3, 5]
+    assert rel_err(new_pool[touched], p_ref[touched]) < tol
+    untouched = [1, 2, 4]
+    np.testing.assert_array_equal(new_pool[untouched], pool_before[untouched])
+
+
+@pytest.mark.parametrize("backend", ["interpret", "reference"])
+def test_decode_steps_match_prefill(backend):
+    """Decoding T tokens one by one through a pool == prefill of the sequence."""
+    rng = np.random.default_rng(3)
+    Hk, Hv, dk, dv, T = 1, 2, 16, 16, 5
+    q, k, v, g, beta = make_inputs(rng, 1, T, Hk, Hv, dk, dv, jnp.float32, True)
+    pool = jnp.asarray(rng.standard_normal((3, Hv, dk, dv)), jnp.float32)
+    init = pool[1:2]
+    o_pre, fin = gdn_prefill(q, k, v, g, beta, initial_state=init, use_qk_l2norm=True,
+                             backend="reference")
+    step = jax.jit(lambda p, *a: gdn_decode(*a, p, jnp.array([1], jnp.int32),
+                                            use_qk_l2norm=True, backend=backend))
+    outs = []
+    for t in range(T):
+        o, pool = step(pool, q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t])
+        outs.append(o[0])
+    assert rel_err(jnp.stack(outs), _np(o_pre[0])) < F32_TOL
+    assert rel_err(pool[1], _np(fin[0])) < F32_TOL

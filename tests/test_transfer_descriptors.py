@@ -1,0 +1,76 @@
+"""Descriptor planning: as few descriptors as the layout allows, and malformed items refused."""
+
+import numpy as np
+import pytest
+
+from transfer.descriptors import DescriptorError, coalesce, plan
+from transfer.memory import Region
+
+LOCAL = {"kv": Region("kv", 0x10000, 1 << 20, 0, "DRAM"), "ssm": Region("ssm", 0x900000, 4096, 0, "DRAM")}
+REMOTE = {"kv": Region("kv", 0x7000000, 1 << 20, 0, "DRAM"), "ssm": Region("ssm", 0x8000000, 8192, 0, "DRAM")}
+B = 1024  # block bytes
+
+
+def blocks(region, ids):
+    return [(region, i * B, B) for i in ids]
+
+
+def test_coalesce_merges_touching_items_and_counts():
+    assert coalesce(blocks("kv", [3, 4, 5, 9, 10])) == [("kv", 3 * B, 3 * B), ("kv", 9 * B, 2 * B)]
+    assert len(coalesce(blocks("kv", [7, 1, 2, 0]))) == 2  # order does not matter: 0-2, 7
+    assert len(coalesce(blocks("kv", [0, 1]) + blocks("ssm", [2]))) == 2  # never across regions
+
+
+def test_coalesce_refuses_overlap():
+    with pytest.raises(DescriptorError, match="overlap in region 'kv'"):
+        coalesce([("kv", 0, 100), ("kv", 50, 100)])
+
+
+def test_consecutive_blocks_on_both_sides_are_one_descriptor():
+    p = plan(blocks("kv", range(10, 20)), LOCAL, blocks("kv", range(40, 50)), REMOTE)
+    assert p.count == 1 and p.nbytes == 10 * B
+    np.testing.assert_array_equal(p.local, [[0x10000 + 10 * B, 10 * B, 0]])
+    np.testing.assert_array_equal(p.remote, [[0x7000000 + 40 * B, 10 * B, 0]])
+
+
+def test_runs_break_where_either_side_breaks():
+    local = blocks("kv", [0, 1, 2, 3, 8, 9])
+    remote = blocks("kv", [5, 6, 20, 21, 22, 23])
+    p = plan(local, LOCAL, remote, REMOTE)
+    # pieces: l0-1<-r5-6, l2-3<-r20-21, l8-9<-r22-23
+    assert p.count == 3
+    assert sorted(map(tuple, p.remote.tolist())) == sorted(
+        [(0x7000000 + 5 * B, 2 * B, 0), (0x7000000 + 20 * B, 2 * B, 0), (0x7000000 + 22 * B, 2 * B, 0)])
+
+
+def test_sides_may_cut_the_stream_differently():
+    # the source pinned one coalesced span, the destination uses separate blocks and a state slot
+    remote = [("kv", 0, 4 * B), ("ssm", 4096, 512)]
+    local = blocks("kv", [7, 8, 2, 3]) + [("ssm", 1024, 512)]
+    p = plan(local, LOCAL, remote, REMOTE)
+    assert p.count == 3  # l7-8 <- r0-1, l2-3 <- r2-3, ssm
+    assert p.nbytes == 4 * B + 512
+    rows = {tuple(r) for r in np.concatenate([p.local, p.remote], axis=1).tolist()}
+    assert (0x10000 + 7 * B, 2 * B, 0, 0x7000000, 2 * B, 0) in rows
+    assert (0x10000 + 2 * B, 2 * B, 0, 0x7000000 + 2 * B, 2 * B, 0) in rows
+    assert (0x900000 + 1024, 512, 0, 0x8000000 + 4096, 512, 0) in rows
+
+
+def test_empty_transfer_has_no_descriptors():
+    p = plan([], LOCAL, [], REMOTE)
+    assert p.count == 0 and p.nbytes == 0 and p.local.shape == (0, 3)
+
+
+@pytest.mark.parametrize("local, remote, message", [
+    (blocks("kv", [0]), [("kv", (1 << 20) - 10, B)], r"remote item 0: bytes \[1048566, 1049590\) outside region 'kv'"),
+    (blocks("kv", [0]), [("nope", 0, B)], "remote item 0: unknown region 'nope'"),
+    ([("kv", -1, B)], blocks("kv", [0]), "local item 0: bytes"),
+    ([("kv", 0, 0)], [], "local item 0: bytes"),
+    ([("kv", "0", B)], blocks("kv", [0]), r"local item 0: expected \(str, int, int\)"),
+    ([("kv", 0)], blocks("kv", [0]), r"local item 0: expected \(region, offset, length\)"),
+    (blocks("kv", [0, 1]), blocks("kv", [0]), "local items hold 2048 bytes but remote items 1024"),
+    ([("kv", 0, 2 * B), ("kv", B, B)], blocks("kv", [0, 1, 2]), "overlap"),
+])
+def test_malformed_items_are_refused_precisely(local, remote, message):
+    with pytest.raises(DescriptorError, match=message):
+        plan(local, LOCAL, remote, REMOTE)

@@ -1,0 +1,246 @@
+"""The pull protocol between two managers in one process, over real NIXL (UCX, DRAM)."""
+
+import threading
+import time
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from transfer import (Agent, CompatibilityError, Region, TransferManager, TransferParamsError,
+                      allocate, host_view)
+
+BLOCK, BLOCKS, SLOT, SLOTS = 4096, 64, 2048, 4
+COMPAT = {"model": "test", "block_bytes": BLOCK, "slot_bytes": SLOT}
+
+
+def make_manager(compat=COMPAT, port=0, seed=None):
+    _, kv = allocate("kv", (BLOCKS, BLOCK), jnp.uint8)
+    _, ssm = allocate("ssm", (SLOTS, SLOT), jnp.uint8)
+    if seed is not None:
+        rng = np.random.default_rng(seed)
+        for r in (kv, ssm):
+            host_view(r)[:] = rng.integers(0, 256, r.nbytes, dtype=np.uint8)
+    return TransferManager(Agent([kv, ssm]), compat, port=port)
+
+
+def blocks(ids):
+    return [("kv", i * BLOCK, BLOCK) for i in ids]
+
+
+def slot(i):
+    return [("ssm", i * SLOT, SLOT)]
+
+
+def view(manager, name):
+    return host_view(manager.agent.regions[name])
+
+
+@pytest.fixture(scope="module")
+def pair():
+    source, puller = make_manager(seed=1), make_manager()
+    yield source, puller
+    puller.close()
+    source.close()
+
+
+@pytest.fixture
+def source(pair):
+    yield pair[0]
+    for lease in list(pair[0]._leases):
+        pair[0].unpin(lease)
+
+
+@pytest.fixture
+def puller(pair):
+    yield pair[1]
+    drive(pair[1], until=lambda done: pair[1].pending == 0)
+
+
+def drive(*managers, until, timeout=20.0):
+    """Poll every manager until ``until(completions)``; completions by pull id."""
+    done = {}
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        for m in managers:
+            done.update((c.pull_id, c) for c in m.poll())
+        if until(done):
+            return done
+        time.sleep(0.001)
+    raise AssertionError(f"condition not reached in {timeout} s; completions so far: {done}")
+
+
+def poll_until(manager, stop):
+    while not stop.is_set():
+        manager.poll()
+        time.sleep(0.001)
+
+
+def freed_log():
+    log = []
+    return log, lambda lease, reason: log.append((lease, reason))
+
+
+def test_pull_copies_bytes_with_few_descriptors_and_frees_the_lease(source, puller):
+    log, on_free = freed_log()
+    params = source.pin(blocks([5, 6, 7, 20]) + slot(2), on_free=on_free)
+    pid = puller.pull(params, blocks([0, 1, 2, 9]) + slot(0))
+    done = drive(source, puller, until=lambda d: pid in d and log)
+    c = done[pid]
+    assert c.ok, c.error
+    assert c.descriptors == 3  # blocks 5-7 -> 0-2, block 20 -> 9, the slot
+    assert c.nbytes == 4 * BLOCK + SLOT
+    src, dst = view(source, "kv"), view(puller, "kv")
+    np.testing.assert_array_equal(dst[:3 * BLOCK], src[5 * BLOCK:8 * BLOCK])
+    np.testing.assert_array_equal(dst[9 * BLOCK:10 * BLOCK], src[20 * BLOCK:21 * BLOCK])
+    np.testing.assert_array_equal(view(puller, "ssm")[:SLOT], view(source, "ssm")[2 * SLOT:3 * SLOT])
+    assert log == [(params["lease"], "done")] and source.leases == 0
+
+
+def test_many_concurrent_pulls_all_complete(source, puller):
+    log, on_free = freed_log()
+    params = [source.pin(blocks([i]), on_free=on_free) for i in range(16)]
+    ids = [puller.pull(p, blocks([63 - i])) for i, p in enumerate(params)]
+    done = drive(source, puller, until=lambda d: set(ids) <= d.keys() and len(log) == 16)
+    assert all(done[i].ok for i in ids)
+    src, dst = view(source, "kv").reshape(BLOCKS, BLOCK), view(puller, "kv").reshape(BLOCKS, BLOCK)
+    np.testing.assert_array_equal(dst[48:][::-1], src[:16])
+    assert source.leases == 0
+
+
+def test_empty_lease_is_acknowledged_without_a_read(source, puller):
+    log, on_free = freed_log()
+    pid = puller.pull(source.pin([], on_free=on_free), [])
+    done = drive(source, puller, until=lambda d: pid in d and log)
+    assert done[pid].ok and done[pid].descriptors == 0 and log[0][1] == "done"
+
+
+def test_lease_expiry_frees_and_a_late_pull_is_reported_stale(source, puller):
+    log, on_free = freed_log()
+    params = source.pin(blocks([1]), on_free=on_free, ttl=0.05)
+    drive(source, until=lambda d: log)
+    assert log == [(params["lease"], "expired")] and source.leases == 0
+    pid = puller.pull(params, blocks([1]))
+    c = drive(source, puller, until=lambda d: pid in d)[pid]
+    assert c.error.kind == "stale" and params["lease"] in c.error.detail
+
+
+def test_pending_pull_extends_the_lease_until_it_ends(source, puller):
+    log, on_free = freed_log()
+    params = source.pin(blocks([3]), on_free=on_free, ttl=1.0)
+    puller.faults.hang_next = 1  # posted never, so the pull stays pending until its deadline
+    pid = puller.pull(params, blocks([3]), timeout=2.5)
+    end = time.monotonic() + 2.0  # twice the lease's TTL
+    drive(source, puller, until=lambda d: time.monotonic() > end)
+    assert not log and source.leases == 1  # kept alive by the puller's extensions
+    c = drive(source, puller, until=lambda d: pid in d and log)[pid]
+    assert c.error.kind == "timeout" and "READ" in c.error.detail
+    assert log == [(params["lease"], "dropped")]  # freed at once, not at expiry
+
+
+def test_injected_transfer_error_is_reported_and_the_source_frees(source, puller):
+    log, on_free = freed_log()
+    params = source.pin(blocks([4]), on_free=on_free)
+    puller.faults.fail_next = 1
+    pid = puller.pull(params, blocks([4]))
+    c = drive(source, puller, until=lambda d: pid in d and log)[pid]
+    assert c.error.kind == "error" and "injected" in c.error.detail
+    assert log == [(params["lease"], "dropped")]
+    # the next pull of fresh params works
+    pid = puller.pull(source.pin(blocks([4])), blocks([4]))
+    assert drive(source, puller, until=lambda d: pid in d)[pid].ok
+
+
+def test_malformed_params_are_refused_and_disturb_nothing(source, puller):
+    log, on_free = freed_log()
+    good = source.pin(blocks([10, 11]), on_free=on_free)
+    pid = puller.pull(good, blocks([30, 31]))
+    other = source.pin(blocks([12]))
+    bad = [
+        ("nonsense", "must be a dict"),
+        ({k: v for k, v in other.items() if k != "lease"}, "missing 'lease'"),
+        ({**other, "ttl": -1}, "'ttl' must be positive"),
+        ({**other, "items": [["kv", BLOCKS * BLOCK - 8, BLOCK]]}, r"remote item 0: bytes .* outside region 'kv'"),
+        ({**other, "items": [["kv_cache", 0, BLOCK]]}, "unknown region 'kv_cache'"),
+        ({**other, "items": blocks([12, 13])}, "local items hold 4096 bytes but remote items 8192"),
+        ({**other, "agent": "someone-else", "address": None}, "unknown source agent 'someone-else'"),
+        ({**other, "address": "localhost:1"}, "'address' must be"),
+        (good, "already being pulled"),
+    ]
+    for params, message in bad:
+        with pytest.raises(TransferParamsError, match=message):
+            puller.pull(params, blocks([40]))
+    done = drive(source, puller, until=lambda d: pid in d and log)
+    assert done[pid].ok and puller.pending == 0
+    np.testing.assert_array_equal(view(puller, "kv")[30 * BLOCK:32 * BLOCK],
+                                  view(source, "kv")[10 * BLOCK:12 * BLOCK])
+    assert log == [(good["lease"], "done")] and source.leases == 1  # `other` still held
+
+
+def test_params_of_a_restarted_source_are_stale(puller):
+    first = make_manager()
+    params = first.pin(blocks([0]))
+    port = first.address[1]
+    first.close()
+    second = make_manager(port=port)
+    try:
+        with pytest.raises(TransferParamsError, match=r"stale params: .*\(the source restarted\)"):
+            puller.pull(params, blocks([0]))
+    finally:
+        second.close()
+
+
+def test_incompatible_source_is_refused(puller):
+    other = make_manager(compat={**COMPAT, "block_bytes": 2 * BLOCK})
+    try:
+        with pytest.raises(CompatibilityError, match="field 'block_bytes' differs: local 4096, remote 8192"):
+            puller.connect(other.address)
+        with pytest.raises(TransferParamsError, match="block_bytes"):
+            puller.pull(other.pin(blocks([0])), blocks([0]))
+    finally:
+        other.close()
+
+
+def test_dead_source_is_reported_as_peer_gone(puller):
+    gone = make_manager()
+    params = gone.pin(blocks([0]))
+    puller.connect(gone.address)
+    puller.faults.hang_next = 1
+    pending = puller.pull(params, blocks([0]), timeout=30)
+    puller.peer_lost(params["agent"])
+    assert drive(puller, until=lambda d: pending in d)[pending].error.kind == "peer_gone"
+    gone.close()  # its side channel stops answering
+    pid = puller.pull(params, blocks([0]))  # must reconnect: the peer was forgotten
+    assert drive(puller, until=lambda d: pid in d)[pid].error.kind == "peer_gone"
+
+
+def test_wait_returns_only_its_pulls_and_keeps_the_rest_for_poll(source, puller):
+    first = puller.pull(source.pin(blocks([50])), blocks([50]))
+    second = puller.pull(source.pin(blocks([51])), blocks([51]))
+    stop = threading.Event()
+    acker = threading.Thread(target=poll_until, args=(source, stop))  # the source's owner thread
+    acker.start()
+    try:
+        got = puller.wait([second], timeout=20)
+        assert got.keys() == {second} and got[second].ok
+        assert drive(puller, until=lambda d: first in d)[first].ok  # not lost if it ended during wait
+    finally:
+        stop.set()
+        acker.join()
+
+
+def test_unpin_frees_at_once(source):
+    log, on_free = freed_log()
+    params = source.pin(blocks([0]), on_free=on_free)
+    assert source.unpin(params["lease"]) and not source.unpin(params["lease"])
+    assert log == [(params["lease"], "released")]
+
+
+@pytest.mark.parametrize("regions, message", [
+    ([], "at least one region"),
+    ([Region("a", 4096, 64, 0, "DRAM"), Region("a", 8192, 64, 0, "DRAM")], "duplicate region names"),
+    ([Region("a", 4096, 64, 0, "DRAM"), Region("b", 8192, 64, 0, "VRAM")], "share a memory type"),
+])
+def test_agent_refuses_bad_region_sets(regions, message):
+    with pytest.raises(ValueError, match=message):
+        Agent(regions)

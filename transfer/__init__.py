@@ -1,0 +1,33 @@
+"""Moves bytes between registered memory regions of two processes over NIXL.
+
+Knows regions, offsets and lengths, never models or requests (it imports nothing from
+``qwen35_jax``, ``serving`` or ``pallas_kernels``). Modules, bottom up:
+
+* ``memory``: regions that jitted JAX code updates in place at a fixed address;
+* ``descriptors``: items -> as few NIXL descriptors as the layout allows;
+* ``agent``: a NIXL agent (UCX) with its regions registered once;
+* ``handshake``: side channel for metadata and the compatibility check;
+* ``manager``: pin under a lease, pull (READ) with notification, timeouts, failure reports.
+
+At start-up, per worker::
+
+    kv, kv_region = allocate("kv", kv_shape, jnp.bfloat16)    # one region per cache pool
+    manager = TransferManager(Agent([kv_region, ...]), compat={"model": ..., ...})
+
+then the prefill side ``manager.pin(items, on_free=...)`` and hands the returned params to
+the decode side, which calls ``manager.pull(params, its_items)``; both call
+``manager.poll()`` every engine step. Items are ``(region name, byte offset, byte length)``.
+"""
+
+from transfer.agent import Agent
+from transfer.descriptors import DescriptorError, Plan, coalesce, plan
+from transfer.handshake import CompatibilityError, HandshakeError, check_compatible
+from transfer.manager import (Completion, Faults, TransferError, TransferManager,
+                              TransferParamsError)
+from transfer.memory import AddressMovedError, Region, allocate, host_view
+
+__all__ = [
+    "AddressMovedError", "Agent", "CompatibilityError", "Completion", "DescriptorError", "Faults",
+    "HandshakeError", "Plan", "Region", "TransferError", "TransferManager", "TransferParamsError",
+    "allocate", "check_compatible", "coalesce", "host_view", "plan",
+]

@@ -1,0 +1,118 @@
+"""One NIXL agent (UCX backend) that owns a fixed set of registered regions.
+
+Regions are registered once, when the agent is made: registration pins memory and builds
+UCX keys, far too slow to repeat per request, and the addresses never change (see
+``transfer.memory``). All regions of an agent share one memory type (DRAM on CPU, VRAM on
+GPU) so that every transfer is one NIXL request. On GPU, create the agent (and post
+transfers) on a thread whose current CUDA device is the regions' one; the constructor makes
+it current for its own thread.
+
+The agent runs in NIXL's STRICT thread-sync mode, so calls from several threads are safe;
+``TransferManager`` makes all of its calls from its owner thread anyway.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Sequence
+
+import numpy as np
+from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t, nixl_xfer_handle
+from nixl._bindings import nixlRemoteDisconnectError
+
+from transfer.memory import Region, make_current
+
+log = logging.getLogger(__name__)
+
+
+class PeerDisconnected(RuntimeError):
+    """NIXL knows the peer's connection is gone (its process died or it removed us)."""
+
+
+class Agent:
+    """A NIXL agent with ``regions`` registered on the UCX backend."""
+
+    def __init__(self, regions: Sequence[Region], name: str | None = None, num_threads: int = 0):
+        if not regions:
+            raise ValueError("an agent needs at least one region")
+        names = [r.name for r in regions]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate region names: {names}")
+        mem_types = {r.mem_type for r in regions}
+        if len(mem_types) != 1:
+            raise ValueError(f"regions of one agent must share a memory type, got {sorted(mem_types)}")
+        self.mem_type = mem_types.pop()
+        make_current(regions[0])  # before UCX starts: it chooses GPU transports per thread
+        self.name = name or f"transfer-{uuid.uuid4().hex}"
+        config = nixl_agent_config(enable_prog_thread=True, num_threads=num_threads, backends=["UCX"],
+                                   sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+        self._nixl = nixl_agent(self.name, config)
+        if "UCX" not in self._nixl.backends:
+            raise RuntimeError("NIXL's UCX backend is unavailable")
+        self.regions = {r.name: r for r in regions}
+        self._registered = self._nixl.register_memory(
+            [(r.addr, r.nbytes, r.device_id, "") for r in regions], self.mem_type, backends=["UCX"])
+
+    def metadata(self) -> bytes:
+        """Everything a peer needs to reach this agent's registered memory."""
+        return self._nixl.get_agent_metadata()
+
+    def add_peer(self, metadata: bytes) -> str:
+        """Load a peer's metadata; returns its agent name."""
+        return self._nixl.add_remote_agent(metadata)
+
+    def remove_peer(self, name: str) -> None:
+        self._nixl.remove_remote_agent(name)
+
+    def read(self, peer: str, local: np.ndarray, remote: np.ndarray, remote_mem_type: str,
+             notif: bytes) -> tuple[nixl_xfer_handle, str]:
+        """Post one READ of ``remote`` (peer's Nx3 descriptors) into ``local``.
+
+        NIXL sends ``notif`` to the peer once the data has arrived. Returns the handle and
+        the first state: "DONE", "PROC" or "ERR". Raises PeerDisconnected if the peer is gone.
+        """
+        try:
+            handle = self._nixl.initialize_xfer(
+                "READ", self._nixl.get_xfer_descs(local, self.mem_type),
+                self._nixl.get_xfer_descs(remote, remote_mem_type), peer, notif)
+        except nixlRemoteDisconnectError as e:
+            raise PeerDisconnected(f"peer {peer} disconnected: {e}") from None
+        try:
+            return handle, self._nixl.transfer(handle)
+        except nixlRemoteDisconnectError as e:
+            self.release(handle)
+            raise PeerDisconnected(f"peer {peer} disconnected: {e}") from None
+        except Exception:
+            self.release(handle)
+            raise
+
+    def state(self, handle: nixl_xfer_handle) -> str:
+        """"DONE", "PROC" or "ERR" (also when NIXL raises, e.g. for a vanished peer)."""
+        try:
+            return self._nixl.check_xfer_state(handle)
+        except Exception as e:  # NIXL raises backend-specific types
+            log.warning("transfer state check failed: %r", e)
+            return "ERR"
+
+    def release(self, handle: nixl_xfer_handle) -> bool:
+        """Free a transfer handle, cancelling it if still active; False if NIXL refused."""
+        try:
+            handle.release()
+            return True
+        except Exception as e:  # NIXL raises backend-specific types
+            log.warning("could not release transfer handle %r: %s", handle, e)
+            return False
+
+    def notify(self, peer: str, message: bytes) -> None:
+        self._nixl.send_notif(peer, message)
+
+    def notifications(self) -> dict[str, list[bytes]]:
+        """New notifications since the last call, by sender agent name."""
+        return self._nixl.get_new_notifs()
+
+    def close(self) -> None:
+        """Deregister the regions; the agent must not be used afterwards."""
+        if self._registered is not None:
+            self._nixl.deregister_memory(self._registered, backends=["UCX"])
+            self._registered = None

@@ -1,0 +1,419 @@
+"""The pull protocol: a source pins bytes under a lease, a puller READs them and says so.
+
+Source side (prefill)::
+
+    params = mgr.pin(items, on_free=callback)   # JSON-able; travels to the puller
+    ...                                          # call mgr.poll() regularly
+    # callback(lease_id, reason) runs from poll(): "done", "expired", "dropped" (the
+    # puller gave up), or from unpin(lease, reason)
+
+Puller side (decode)::
+
+    pull_id = mgr.pull(params, local_items, timeout=10.0)
+    for c in mgr.poll(): ...                     # Completion: ok, or error.kind
+                                                 # "error" | "timeout" | "peer_gone" | "stale"
+
+Messages ride on NIXL notifications (UCX active messages), so no second channel is needed
+once the handshake is done:
+
+* the READ carries ``done <lease>``; NIXL delivers it only after the data has landed;
+* the source answers ``ack <lease> ok`` if the lease was still pinned when ``done``
+  arrived, or ``ack <lease> stale`` if it had already been freed. A lease is freed only
+  inside ``poll()``, and ``poll()`` handles notifications before expiring leases, so "ok"
+  proves the bytes stayed pinned for the whole READ. Only then is a pull complete: a lease
+  that expired under a slow READ is reported as ``stale`` instead of silently serving
+  reused blocks (vLLM's failure mode);
+* while a pull is pending the puller sends ``extend <lease>`` every third of the lease's
+  TTL; the source pushes the expiry out by one TTL, measured on its own clock;
+* a pull that fails sends ``drop <lease>`` so the source frees at once instead of at expiry.
+
+Failures arrive as completions within the pull's timeout (plus one poll): a NIXL error
+("error", or "peer_gone" when the peer's side channel no longer answers), a deadline
+("timeout"; the READ is cancelled by releasing its handle), a freed lease ("stale"), or
+``peer_lost()`` called by the owner ("peer_gone"). After a failed pull the destination
+bytes are undefined (partly written, perhaps). Parameters that are malformed, point
+outside the peer's regions, or name an agent that is not (or no longer) the peer at the
+given address are refused by ``pull()`` with ``TransferParamsError`` before anything is
+posted.
+
+Threading: every method belongs to one owner thread (the engine loop), and every NIXL call
+is made from it: the handshake thread only queues the pullers it accepted, and ``poll()``
+loads their metadata. (On GPU, UCX sets up endpoints per thread and needs the CUDA context
+current there; the handshake thread has none.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import queue
+import time
+import uuid
+from typing import Callable, Iterable, Sequence
+
+from transfer import descriptors
+from transfer.agent import Agent, PeerDisconnected
+from transfer.handshake import (Address, CompatibilityError, HandshakeError, HandshakeServer, Hello,
+                                exchange, ping)
+
+log = logging.getLogger(__name__)
+
+ERROR, TIMEOUT, PEER_GONE, STALE = "error", "timeout", "peer_gone", "stale"
+
+
+class TransferParamsError(ValueError):
+    """Transfer parameters that cannot be honoured; nothing was posted."""
+
+
+class TransferError(RuntimeError):
+    """Why a pull failed: ``kind`` is one of "error", "timeout", "peer_gone", "stale"."""
+
+    def __init__(self, kind: str, detail: str):
+        self.kind, self.detail = kind, detail
+        super().__init__(f"{kind}: {detail}")
+
+
+@dataclasses.dataclass
+class Faults:
+    """Fault injection for tests: the next ``fail_next`` pulls report a transfer error, the
+    next ``hang_next`` pulls are never posted and so end by timeout."""
+
+    fail_next: int = 0
+    hang_next: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    """The end of a pull: ``error`` is None on success; sizes describe the READ."""
+
+    pull_id: int
+    lease: str
+    error: TransferError | None
+    nbytes: int
+    descriptors: int
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclasses.dataclass
+class _Lease:
+    ttl: float
+    expires: float
+    on_free: Callable[[str, str], None] | None
+
+
+@dataclasses.dataclass
+class _Pull:
+    id: int
+    peer: str
+    lease: str
+    plan: descriptors.Plan
+    ttl: float
+    started: float
+    deadline: float
+    next_extend: float
+    handle: object = None  # NIXL transfer handle while the READ is in flight
+    read_done: bool = False
+    ack: str | None = None
+    hung: bool = False
+
+
+class TransferManager:
+    """Leases, pulls and the handshake endpoint of one agent.
+
+    ``compat`` is this side's compatibility record (see ``transfer.handshake``); the
+    endpoint serves on ``host:port`` (0: any free port) from construction until ``close()``;
+    ``lease_ttl`` is the default lease lifetime in seconds; ``faults`` injects failures.
+    """
+
+    def __init__(self, agent: Agent, compat: dict, *, host: str = "127.0.0.1", port: int = 0,
+                 lease_ttl: float = 30.0, faults: Faults | None = None):
+        self.agent = agent
+        self.lease_ttl = lease_ttl
+        self.faults = faults or Faults()
+        self._hello = Hello(agent.name, agent.metadata(), agent.regions, compat)
+        self._incoming: queue.SimpleQueue[Hello] = queue.SimpleQueue()  # accepted by the server
+        self._peers: dict[str, Hello] = {}
+        self._addresses: dict[str, Address] = {}
+        self._epoch = uuid.uuid4().hex[:8]
+        self._lease_ids = itertools.count()
+        self._pull_ids = itertools.count()
+        self._leases: dict[str, _Lease] = {}
+        self._pulls: dict[int, _Pull] = {}
+        self._zombies: list = []  # handles NIXL would not release yet
+        self._done: list[Completion] = []  # completed but not yet returned by poll()
+        self._server = HandshakeServer(self._hello, self._incoming.put, host, port)
+
+    # ---- peers ---------------------------------------------------------------------------
+
+    @property
+    def address(self) -> Address:
+        """Where peers reach this manager's handshake endpoint."""
+        return self._server.address
+
+    def connect(self, address: Address, timeout: float = 5.0) -> str:
+        """Handshake with the manager at ``address``; returns its agent name.
+
+        Raises CompatibilityError on a mismatched peer, HandshakeError if unreachable.
+        """
+        peer = exchange(tuple(address), self._hello, timeout)
+        self._add_peer(peer)
+        self._addresses[peer.agent] = tuple(address)
+        return peer.agent
+
+    def _add_peer(self, peer: Hello) -> None:
+        if peer.agent not in self._peers:
+            self.agent.add_peer(peer.metadata)
+            self._peers[peer.agent] = peer
+
+    def peer_lost(self, name: str) -> None:
+        """The owner learnt that peer ``name`` is gone: fail its pulls and forget it."""
+        for p in [p for p in self._pulls.values() if p.peer == name]:
+            self._fail(p, PEER_GONE, f"peer {name} declared lost", notify=False)
+        known = self._peers.pop(name, None)
+        self._addresses.pop(name, None)
+        if known is not None:
+            self.agent.remove_peer(name)
+
+    # ---- source side ---------------------------------------------------------------------
+
+    def pin(self, items: Iterable, on_free: Callable[[str, str], None] | None = None,
+            ttl: float | None = None) -> dict:
+        """Hold ``items`` (``(region, offset, length)``, in stream order) under a new lease.
+
+        Returns the transfer parameters for a puller. ``on_free(lease_id, reason)`` runs
+        from ``poll()`` (or ``unpin``) exactly once, when the bytes may be reused.
+        """
+        items = descriptors.validate(items, self.agent.regions, "pinned")
+        ttl = self.lease_ttl if ttl is None else float(ttl)
+        lease = f"{self._epoch}.{next(self._lease_ids)}"
+        self._leases[lease] = _Lease(ttl, time.monotonic() + ttl, on_free)
+        return {"agent": self.agent.name, "address": list(self.address), "lease": lease,
+                "items": [list(x) for x in items], "ttl": ttl}
+
+    def unpin(self, lease: str, reason: str = "released") -> bool:
+        """Free a lease now (request aborted, say); False if it was no longer held."""
+        held = self._leases.pop(lease, None)
+        if held is not None and held.on_free is not None:
+            try:
+                held.on_free(lease, reason)
+            except Exception:  # the owner's bug must not stall other leases' and pulls' messages
+                log.exception("on_free callback for lease %s failed", lease)
+        return held is not None
+
+    @property
+    def leases(self) -> int:
+        """Leases currently held."""
+        return len(self._leases)
+
+    # ---- puller side ---------------------------------------------------------------------
+
+    def pull(self, params: dict, local_items: Sequence, timeout: float = 10.0) -> int:
+        """Start READing a lease's bytes into ``local_items``; returns a pull id for ``poll()``.
+
+        Connects to the source first if it is unknown and ``params`` carry its address (a
+        blocking handshake, once per peer). Raises TransferParamsError (nothing posted)
+        for malformed, out-of-bounds or stale parameters and for an incompatible source; an
+        unreachable source is reported as a "peer_gone" completion instead.
+        """
+        agent, lease, items, ttl, address = _parse(params)
+        try:
+            peer = self._resolve(agent, address)
+        except HandshakeError as e:  # a runtime failure, not the caller's mistake
+            return self._failed_at_once(lease, TransferError(PEER_GONE, f"source unreachable: {e}"))
+        if any(p.lease == lease and p.peer == agent for p in self._pulls.values()):
+            raise TransferParamsError(f"lease {lease!r} of {agent} is already being pulled")
+        try:
+            plan = descriptors.plan(local_items, self.agent.regions, items, peer.regions)
+        except descriptors.DescriptorError as e:
+            raise TransferParamsError(str(e)) from None
+        now = time.monotonic()
+        p = _Pull(next(self._pull_ids), agent, lease, plan, ttl, now, now + timeout, now + ttl / 3)
+        self._pulls[p.id] = p
+        if self.faults.fail_next > 0:
+            self.faults.fail_next -= 1
+            self._fail(p, ERROR, "injected transfer error")
+        elif self.faults.hang_next > 0:
+            self.faults.hang_next -= 1
+            p.hung = True
+        else:
+            self._post(p)
+        return p.id
+
+    def _failed_at_once(self, lease: str, error: TransferError) -> int:
+        pull_id = next(self._pull_ids)
+        self._done.append(Completion(pull_id, lease, error, 0, 0, 0.0))
+        return pull_id
+
+    def _resolve(self, agent: str, address: Address | None) -> Hello:
+        peer = self._peers.get(agent)
+        if peer is not None:
+            return peer
+        if address is None:
+            raise TransferParamsError(f"unknown source agent {agent!r} and no address to reach it")
+        try:
+            found = self.connect(address)
+        except CompatibilityError as e:
+            raise TransferParamsError(str(e)) from None
+        if found != agent:
+            raise TransferParamsError(f"stale params: {address[0]}:{address[1]} is now agent {found!r}, "
+                                      f"not {agent!r} (the source restarted)")
+        return self._peers[agent]
+
+    def _post(self, p: _Pull) -> None:
+        msg = f"done {p.lease}".encode()
+        if p.plan.count == 0:  # nothing to read (say, a full prefix hit): just tell the source
+            self._send(p.peer, msg.decode())
+            p.read_done = True
+            return
+        peer_mem = next(iter(self._peers[p.peer].regions.values())).mem_type  # one type per agent
+        try:
+            p.handle, state = self.agent.read(p.peer, p.plan.local, p.plan.remote, peer_mem, msg)
+        except PeerDisconnected as e:
+            self._fail(p, PEER_GONE, str(e))
+            return
+        except Exception as e:  # NIXL raises its own types for unknown peers, bad descriptors, ...
+            self._fail(p, ERROR, f"posting READ failed: {e!r}")
+            return
+        self._on_state(p, state)
+
+    def _on_state(self, p: _Pull, state: str) -> None:
+        if state == "DONE":
+            self.agent.release(p.handle)
+            p.handle, p.read_done = None, True
+            self._maybe_complete(p)
+        elif state == "ERR":
+            self._fail(p, ERROR, "NIXL reported a transfer error")
+
+    def _maybe_complete(self, p: _Pull) -> None:
+        if p.ack == "stale":
+            self._fail(p, STALE, f"lease {p.lease} was freed by the source before the READ ended",
+                       notify=False)
+        elif p.read_done and p.ack == "ok":
+            self._finish(p, None)
+
+    def _fail(self, p: _Pull, kind: str, detail: str, notify: bool = True) -> None:
+        if p.handle is not None and not self.agent.release(p.handle):
+            self._zombies.append(p.handle)
+        p.handle = None
+        if kind in (ERROR, TIMEOUT) and not self._peer_alive(p.peer):
+            kind, detail = PEER_GONE, f"{detail}; peer {p.peer} no longer answers"
+        if notify and kind != PEER_GONE and p.peer in self._peers:
+            self._send(p.peer, f"drop {p.lease}")
+        self._finish(p, TransferError(kind, detail))
+
+    def _finish(self, p: _Pull, error: TransferError | None) -> None:
+        del self._pulls[p.id]
+        self._done.append(Completion(p.id, p.lease, error, p.plan.nbytes, p.plan.count,
+                                     time.monotonic() - p.started))
+
+    def _peer_alive(self, name: str) -> bool:
+        address = self._addresses.get(name)
+        return name in self._peers and (address is None or ping(address, timeout=0.2))
+
+    @property
+    def pending(self) -> int:
+        """Pulls not yet completed."""
+        return len(self._pulls)
+
+    # ---- progress ------------------------------------------------------------------------
+
+    def poll(self) -> list[Completion]:
+        """Advance everything once; returns the pulls completed since the last call."""
+        while not self._incoming.empty():  # pullers that connected to us: needed for acks
+            self._add_peer(self._incoming.get())
+        now = time.monotonic()
+        for sender, messages in self.agent.notifications().items():
+            for m in messages:
+                self._on_message(sender, m, now)
+        for p in list(self._pulls.values()):
+            if p.handle is not None:
+                self._on_state(p, self.agent.state(p.handle))
+            if p.id not in self._pulls:
+                continue
+            if now >= p.deadline:
+                stage = "the source's ack" if p.read_done else "the READ"
+                self._fail(p, TIMEOUT, f"no completion within the deadline (waiting for {stage})")
+            elif now >= p.next_extend and not p.read_done:
+                self._send(p.peer, f"extend {p.lease}")
+                p.next_extend = now + p.ttl / 3
+        for lease in [k for k, v in self._leases.items() if v.expires <= now]:
+            self.unpin(lease, "expired")
+        self._zombies = [h for h in self._zombies if not self.agent.release(h)]
+        done, self._done = self._done, []
+        return done
+
+    def wait(self, pull_ids: Iterable[int], timeout: float) -> dict[int, Completion]:
+        """Poll until all ``pull_ids`` complete or ``timeout`` passes; others stay for poll()."""
+        want, got, later = set(pull_ids), {}, []
+        end = time.monotonic() + timeout
+        while want - got.keys() and time.monotonic() < end:
+            for c in self.poll():
+                if c.pull_id in want:
+                    got[c.pull_id] = c
+                else:
+                    later.append(c)
+            time.sleep(0.0005)
+        self._done[:0] = later
+        return got
+
+    def _on_message(self, sender: str, message: bytes, now: float) -> None:
+        parts = message.decode(errors="replace").split()
+        kind, lease = (parts + ["", ""])[:2]
+        if kind == "done":
+            held = self._leases.get(lease)
+            self._send(sender, f"ack {lease} {'ok' if held else 'stale'}")
+            if held:
+                self.unpin(lease, "done")
+        elif kind == "extend" and lease in self._leases:
+            held = self._leases[lease]
+            held.expires = max(held.expires, now + held.ttl)
+        elif kind == "drop":
+            self.unpin(lease, "dropped")
+        elif kind == "ack" and len(parts) == 3:
+            for p in self._pulls.values():
+                if p.peer == sender and p.lease == lease:
+                    p.ack = parts[2]
+                    self._maybe_complete(p)
+                    break
+        elif kind not in ("extend", "ack"):
+            log.warning("ignoring unknown notification %r from %s", message[:100], sender)
+
+    def _send(self, peer: str, message: str) -> None:
+        try:
+            self.agent.notify(peer, message.encode())
+        except Exception as e:  # the peer may be gone; its pulls or leases time out on their own
+            log.warning("notification %r to %s failed: %r", message, peer, e)
+
+    def close(self) -> None:
+        """Stop serving, cancel pulls (reported by no one), release the agent's registrations."""
+        self._server.close()
+        for p in list(self._pulls.values()):
+            if p.handle is not None:
+                self.agent.release(p.handle)
+        self._pulls.clear()
+        self.agent.close()
+
+
+def _parse(params) -> tuple[str, str, list, float, Address | None]:
+    """Check the shape of transfer parameters; TransferParamsError names what is wrong."""
+    if not isinstance(params, dict):
+        raise TransferParamsError(f"transfer params must be a dict, got {type(params).__name__}")
+    for key, kind in (("agent", str), ("lease", str), ("items", list), ("ttl", (int, float))):
+        if key not in params:
+            raise TransferParamsError(f"transfer params: missing {key!r}")
+        if not isinstance(params[key], kind) or isinstance(params[key], bool):
+            raise TransferParamsError(f"transfer params: {key!r} has type {type(params[key]).__name__}")
+    if params["ttl"] <= 0:
+        raise TransferParamsError(f"transfer params: 'ttl' must be positive, got {params['ttl']}")
+    address = params.get("address")
+    if address is not None:
+        if not (isinstance(address, (list, tuple)) and len(address) == 2
+                and isinstance(address[0], str) and isinstance(address[1], int)):
+            raise TransferParamsError(f"transfer params: 'address' must be [host, port], got {address!r}")
+        address = (address[0], address[1])
+    return params["agent"], params["lease"], params["items"], float(params["ttl"]), address
