@@ -6,8 +6,9 @@
 Starts the prefill and decode workers (``python -m serving.worker``) as child
 processes, waits until each has compiled its programs and answers, then serves
 the OpenAI API on ``--port`` through the router.  Ctrl-C (or SIGTERM) stops the
-server and every worker.  Engine flags are those of ``python -m serving.api``
-and are passed to every worker.
+server and every worker.  Engine flags are those of ``python -m serving.api``;
+they and the transfer flags of ``python -m serving.worker`` (``--lease-ttl``,
+``--transfer-timeout``, ``--on-transfer-failure``) are passed to every worker.
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ def main(argv=None) -> None:
     from serving.router import Router
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = parser().parse_args(argv)
+    args, _ = parser().parse_known_args(argv)  # the rest are worker flags (see serving.worker)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s router %(levelname)s %(name)s: %(message)s")
     model = args.model or args.model_tag

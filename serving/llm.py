@@ -20,7 +20,8 @@ from serving.engine import Engine, EngineConfig, RequestOutput, SamplingParams
 from serving.engine.capacity import allocate_cache, plan_capacity
 
 
-def _load_model(model, dtype, seed):
+def load_model(model, dtype, seed):
+    """A model object as given, a checkpoint directory, or a preset name (random weights)."""
     import qwen35_jax
 
     if not isinstance(model, str):
@@ -44,7 +45,7 @@ class LLM:
     def __init__(self, model, *, tokenizer=None, dtype=None, seed: int = 0, **engine_kwargs):
         if dtype is None:  # bf16 on accelerators; float32 on CPU, where bf16 is slow
             dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
-        self.model = _load_model(model, dtype, seed)
+        self.model = load_model(model, dtype, seed)
         self.tokenizer = _load_tokenizer(tokenizer, model)
         cfg = self.model.config
         engine_kwargs.setdefault("eos_token_ids", tuple(cfg.eos_token_ids))

@@ -118,6 +118,7 @@ class Router:
         self._client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None))
         self._health: dict[str, str | None] = {u: None for u in self.prefill.urls + self.decode.urls}
         self._stats: dict[str, dict] = {}
+        self._poller: asyncio.Task | None = None
 
     @classmethod
     def from_workers(cls, prefill_urls: list[str], decode_urls: list[str], **kw) -> "Router":
@@ -132,13 +133,15 @@ class Router:
 
     async def add(self, request_id: str, prompt_token_ids: list[int],
                   params: SamplingParams) -> RouterStream:
-        url = self.prefill.pick()
+        self._ensure_polling()
+        url = self.prefill.pick(exclude=self._down())
         self.prefill.load[url] += 1
         try:
             r = await self._client.post(f"{url}/prefill", json={
                 "request_id": request_id, "prompt_token_ids": list(prompt_token_ids),
                 "params": _params_json(params)})
         except httpx.TransportError as e:
+            self._health[url] = repr(e)  # skipped until a health poll finds it again
             raise WorkerFailed(f"prefill worker {url} failed: {e!r}") from None
         finally:
             self.prefill.load[url] -= 1
@@ -158,7 +161,7 @@ class Router:
                 "first_token": result["token_ids"][-1], "params": _params_json(params),
                 "transfer": result["transfer"]}
         deadline = asyncio.get_running_loop().time() + self.decode_retry_seconds
-        tried: set[str] = set()
+        tried: set[str] = set(self._down())
         while True:
             url = self.decode.pick(exclude=tried)
             self.decode.load[url] += 1
@@ -167,6 +170,7 @@ class Router:
                 response = await self._client.send(req, stream=True)
             except httpx.TransportError as e:
                 self.decode.load[url] -= 1
+                self._health[url] = repr(e)
                 raise WorkerFailed(f"decode worker {url} failed: {e!r}") from None
             if response.status_code == 503 and asyncio.get_running_loop().time() < deadline:
                 await response.aclose()
@@ -183,6 +187,9 @@ class Router:
                 _checked(response, url)
             return url, response
 
+    def _down(self) -> set[str]:
+        return {u for u, e in self._health.items() if e is not None}
+
     async def abort(self, request_id: str) -> None:
         """Requests are aborted by closing their stream (the worker sees the disconnect)."""
 
@@ -196,8 +203,20 @@ class Router:
         total["state_slot_usage"] = 1 - total["free_slots"] / max(total["num_slots"], 1)
         return total
 
+    def _ensure_polling(self, interval: float = 1.0) -> None:
+        """Keep worker health and counters fresh from a task on the serving event loop."""
+        if self._poller is not None and not self._poller.done():
+            return
+
+        async def loop():
+            while True:
+                await self.poll_workers()
+                await asyncio.sleep(interval)
+
+        self._poller = asyncio.get_running_loop().create_task(loop())
+
     async def poll_workers(self) -> None:
-        """Refresh health and counters of every worker (the server calls this periodically)."""
+        """Refresh health and counters of every worker."""
         async def one(url):
             try:
                 r = await self._client.get(f"{url}/stats", timeout=2.0)
@@ -208,12 +227,19 @@ class Router:
         await asyncio.gather(*(one(u) for u in self._health))
 
     def check_health(self) -> None:
-        bad = {u: e for u, e in self._health.items() if e is not None}
-        if bad:
-            raise EngineDead(f"workers not answering: {bad}")
+        try:
+            self._ensure_polling()
+        except RuntimeError:  # no running event loop: called outside the server
+            pass
+        down = self._down()
+        for role, pool in (("prefill", self.prefill), ("decode", self.decode)):
+            if set(pool.urls) <= down:
+                raise EngineDead(f"no {role} worker answers: "
+                                 f"{ {u: self._health[u] for u in pool.urls} }")
 
     def shutdown(self) -> None:
-        pass
+        if self._poller is not None:
+            self._poller.cancel()
 
 
 def _params_json(params: SamplingParams) -> dict:

@@ -40,7 +40,7 @@ from serving.async_engine import AsyncEngine, EngineDead, EngineOverloaded
 from serving.engine import Engine, EngineConfig, SamplingParams
 from serving.engine.capacity import plan_capacity
 from serving.kv_transfer import allocate_registered_cache, compat_record
-from serving.llm import _load_model as load_model
+from serving.llm import load_model
 from transfer import Agent, Faults, TransferManager, TransferParamsError
 
 log = logging.getLogger("serving.worker")

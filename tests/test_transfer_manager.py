@@ -151,6 +151,24 @@ def test_injected_transfer_error_is_reported_and_the_source_frees(source, puller
     assert drive(source, puller, until=lambda d: pid in d)[pid].ok
 
 
+def test_a_lost_read_notification_is_repeated(source, puller):
+    log, on_free = freed_log()
+    params = source.pin(blocks([6]), on_free=on_free)
+    puller.faults.lose_notif_next = 1
+    pid = puller.pull(params, blocks([6]))
+    c = drive(source, puller, until=lambda d: pid in d)[pid]
+    assert c.ok and log == [(params["lease"], "done")]
+
+
+def test_params_of_a_completed_pull_are_stale_for_the_next_pull(source, puller):
+    params = source.pin(blocks([7]))
+    first = puller.pull(params, blocks([7]))
+    assert drive(source, puller, until=lambda d: first in d)[first].ok
+    again = puller.pull(params, blocks([8]))  # the source may have reused block 7 by now
+    c = drive(source, puller, until=lambda d: again in d)[again]
+    assert c.error.kind == "stale"
+
+
 def test_malformed_params_are_refused_and_disturb_nothing(source, puller):
     log, on_free = freed_log()
     good = source.pin(blocks([10, 11]), on_free=on_free)

@@ -45,6 +45,8 @@ class Agent:
         self.mem_type = mem_types.pop()
         make_current(regions[0])  # before UCX starts: it chooses GPU transports per thread
         self.name = name or f"transfer-{uuid.uuid4().hex}"
+        # NIXL's progress thread is required: without it a READ does not complete however
+        # often the owner polls (measured on CPU/UCX, 2026-11-30).
         config = nixl_agent_config(enable_prog_thread=True, num_threads=num_threads, backends=["UCX"],
                                    sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
         self._nixl = nixl_agent(self.name, config)

@@ -16,11 +16,16 @@ Puller side (decode)::
 Messages ride on NIXL notifications (UCX active messages), so no second channel is needed
 once the handshake is done:
 
-* the READ carries ``done <lease>``; NIXL delivers it only after the data has landed;
-* the source answers ``ack <lease> ok`` if the lease was still pinned when ``done``
-  arrived, or ``ack <lease> stale`` if it had already been freed. A lease is freed only
-  inside ``poll()``, and ``poll()`` handles notifications before expiring leases, so "ok"
-  proves the bytes stayed pinned for the whole READ. Only then is a pull complete: a lease
+* the READ carries ``done <lease> <tag>``, the tag naming this one pull; NIXL delivers it
+  only after the data has landed. A READ's notification can be lost (seen on CPU/UCX when
+  many READs start right after a peer connects), so a puller whose READ is done but
+  unacknowledged repeats ``done`` by a plain notification every ``RESEND`` seconds;
+* the source answers ``ack <lease> <tag> ok`` if the lease was still pinned when ``done``
+  arrived, or ``ack <lease> <tag> stale`` if it had already been freed. It remembers which
+  (puller, tag) freed each recent lease, so a repeated ``done`` of *that* pull is acked
+  "ok" again while any other pull of a spent lease (reused params) gets "stale". A lease
+  is freed only inside ``poll()``, and ``poll()`` handles notifications before expiring
+  leases, so "ok" proves the bytes stayed pinned for the whole READ. Only then is a pull complete: a lease
   that expired under a slow READ is reported as ``stale`` instead of silently serving
   reused blocks (vLLM's failure mode);
 * while a pull is pending the puller sends ``extend <lease>`` every third of the lease's
@@ -44,6 +49,7 @@ current there; the handshake thread has none.)
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import logging
@@ -60,6 +66,8 @@ from transfer.handshake import (Address, CompatibilityError, HandshakeError, Han
 log = logging.getLogger(__name__)
 
 ERROR, TIMEOUT, PEER_GONE, STALE = "error", "timeout", "peer_gone", "stale"
+RESEND = 0.25  # seconds between repeats of an unacknowledged "done"
+REMEMBERED = 65536  # completed leases a source remembers, to re-ack repeated "done"s
 
 
 class TransferParamsError(ValueError):
@@ -77,10 +85,12 @@ class TransferError(RuntimeError):
 @dataclasses.dataclass
 class Faults:
     """Fault injection for tests: the next ``fail_next`` pulls report a transfer error, the
-    next ``hang_next`` pulls are never posted and so end by timeout."""
+    next ``hang_next`` pulls are never posted and so end by timeout, and the next
+    ``lose_notif_next`` READs carry no notification (as if it were lost)."""
 
     fail_next: int = 0
     hang_next: int = 0
+    lose_notif_next: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +128,8 @@ class _Pull:
     next_extend: float
     handle: object = None  # NIXL transfer handle while the READ is in flight
     read_done: bool = False
+    tag: str = ""  # names this pull in "done" and "ack" messages
+    next_done: float = 0.0  # when to repeat "done" if the source has not acked
     ack: str | None = None
     hung: bool = False
 
@@ -143,6 +155,8 @@ class TransferManager:
         self._lease_ids = itertools.count()
         self._pull_ids = itertools.count()
         self._leases: dict[str, _Lease] = {}
+        # lease -> (puller, tag) of the pull that freed it, for repeated "done"s
+        self._completed: collections.OrderedDict[str, tuple[str, str]] = collections.OrderedDict()
         self._pulls: dict[int, _Pull] = {}
         self._zombies: list = []  # handles NIXL would not release yet
         self._done: list[Completion] = []  # completed but not yet returned by poll()
@@ -233,6 +247,7 @@ class TransferManager:
             raise TransferParamsError(str(e)) from None
         now = time.monotonic()
         p = _Pull(next(self._pull_ids), agent, lease, plan, ttl, now, now + timeout, now + ttl / 3)
+        p.tag = f"{self._epoch}.{p.id}"
         self._pulls[p.id] = p
         if self.faults.fail_next > 0:
             self.faults.fail_next -= 1
@@ -265,12 +280,15 @@ class TransferManager:
         return self._peers[agent]
 
     def _post(self, p: _Pull) -> None:
-        msg = f"done {p.lease}".encode()
+        msg = f"done {p.lease} {p.tag}".encode()
         if p.plan.count == 0:  # nothing to read (say, a full prefix hit): just tell the source
             self._send(p.peer, msg.decode())
             p.read_done = True
             return
         peer_mem = next(iter(self._peers[p.peer].regions.values())).mem_type  # one type per agent
+        if self.faults.lose_notif_next > 0:
+            self.faults.lose_notif_next -= 1
+            msg = b""
         try:
             p.handle, state = self.agent.read(p.peer, p.plan.local, p.plan.remote, peer_mem, msg)
         except PeerDisconnected as e:
@@ -285,6 +303,7 @@ class TransferManager:
         if state == "DONE":
             self.agent.release(p.handle)
             p.handle, p.read_done = None, True
+            p.next_done = time.monotonic() + RESEND
             self._maybe_complete(p)
         elif state == "ERR":
             self._fail(p, ERROR, "NIXL reported a transfer error")
@@ -341,6 +360,9 @@ class TransferManager:
             elif now >= p.next_extend and not p.read_done:
                 self._send(p.peer, f"extend {p.lease}")
                 p.next_extend = now + p.ttl / 3
+            elif p.read_done and p.ack is None and now >= p.next_done:
+                self._send(p.peer, f"done {p.lease} {p.tag}")
+                p.next_done = now + RESEND
         for lease in [k for k, v in self._leases.items() if v.expires <= now]:
             self.unpin(lease, "expired")
         self._zombies = [h for h in self._zombies if not self.agent.release(h)]
@@ -364,23 +386,27 @@ class TransferManager:
     def _on_message(self, sender: str, message: bytes, now: float) -> None:
         parts = message.decode(errors="replace").split()
         kind, lease = (parts + ["", ""])[:2]
-        if kind == "done":
+        if kind == "done" and len(parts) == 3:
             held = self._leases.get(lease)
-            self._send(sender, f"ack {lease} {'ok' if held else 'stale'}")
+            ok = held is not None or self._completed.get(lease) == (sender, parts[2])
+            self._send(sender, f"ack {lease} {parts[2]} {'ok' if ok else 'stale'}")
             if held:
                 self.unpin(lease, "done")
+                self._completed[lease] = (sender, parts[2])
+                if len(self._completed) > REMEMBERED:
+                    self._completed.popitem(last=False)
         elif kind == "extend" and lease in self._leases:
             held = self._leases[lease]
             held.expires = max(held.expires, now + held.ttl)
         elif kind == "drop":
             self.unpin(lease, "dropped")
-        elif kind == "ack" and len(parts) == 3:
+        elif kind == "ack" and len(parts) == 4:
             for p in self._pulls.values():
-                if p.peer == sender and p.lease == lease:
-                    p.ack = parts[2]
+                if p.peer == sender and p.tag == parts[2]:  # acks of earlier pulls are ignored
+                    p.ack = parts[3]
                     self._maybe_complete(p)
                     break
-        elif kind not in ("extend", "ack"):
+        elif kind not in ("extend", "ack", "done"):
             log.warning("ignoring unknown notification %r from %s", message[:100], sender)
 
     def _send(self, peer: str, message: str) -> None:

@@ -37,3 +37,8 @@ class SamplingParams:
             raise ValueError("min_p must be in [0, 1]")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError("logprobs must be >= 0")
+        # The device sampler holds seeds as uint32 and top_k as int32: fold or clamp here,
+        # so that no value can overflow inside a step that serves other requests too.
+        if self.seed is not None:
+            self.seed = int(self.seed) % 2**32
+        self.top_k = min(int(self.top_k), 2**31 - 1)

@@ -1,0 +1,72 @@
+"""The README's main command: ``python -m serving`` starts the disaggregated stack, serves
+the OpenAI API through the router, and stops every process on Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import psutil
+import pytest
+
+
+def _port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    port = _port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "serving", "--model", "tiny", "--port", str(port),
+         "--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--max-model-len", "256",
+         "--on-transfer-failure", "recompute", "--log-level", "warning"], start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    end = time.monotonic() + 600
+    while True:
+        assert proc.poll() is None, "python -m serving exited during start-up"
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < end, "stack not ready"
+        time.sleep(0.5)
+    yield proc, url
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_completion_and_chat_through_the_router(server):
+    proc, url = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+    out = client.completions.create(model="tiny", prompt="hello world", max_tokens=8,
+                                    temperature=0, extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 8 and out.choices[0].finish_reason == "length"
+    again = client.completions.create(model="tiny", prompt="hello world", max_tokens=8,
+                                      temperature=0, extra_body={"ignore_eos": True})
+    assert again.choices[0].text == out.choices[0].text
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+        stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.completion_tokens >= 1
+    metrics = httpx.get(f"{url}/metrics").text
+    assert "vllm:num_requests_running" in metrics
+
+
+def test_ctrl_c_stops_every_process(server):
+    proc, url = server
+    children = psutil.Process(proc.pid).children(recursive=True)
+    assert len([c for c in children if "serving.worker" in " ".join(c.cmdline())]) == 2
+    os.killpg(proc.pid, signal.SIGINT)
+    proc.wait(timeout=60)
+    gone, alive = psutil.wait_procs(children, timeout=30)
+    assert not alive, [c.cmdline() for c in alive]
