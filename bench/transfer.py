@@ -38,7 +38,7 @@ import numpy as np  # noqa: E402
 
 from qwen35_jax.cache import HybridCache  # noqa: E402
 from qwen35_jax.config import get_preset  # noqa: E402
-from transfer import Agent, TransferManager, allocate  # noqa: E402
+from transfer import Agent, TransferManager, allocate, plan  # noqa: E402
 
 
 def pools(args) -> dict[str, tuple[int, int]]:
@@ -143,6 +143,16 @@ def ipc_capable(addr: int) -> bool | None:
     return bool(value) if err == driver.CUresult.CUDA_SUCCESS else None
 
 
+def plan_time(local_items, src_items, regions) -> float:
+    """Median seconds to plan the request's descriptors (part of every pull; pools match)."""
+    times = []
+    for _ in range(5):
+        t = time.perf_counter()
+        plan(local_items, regions, src_items, regions)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
 def receive(conn, source):
     """The source's next message; raises if the source process died instead."""
     while not conn.poll(1.0):
@@ -179,6 +189,7 @@ def run(args) -> list[dict]:
                 if layout == "fragmented":
                     rng.shuffle(local_blocks)
                 local_items = request_items(args, tokens, local_blocks, rows)
+                plan_s = plan_time(local_items, src_items, manager.agent.regions)
                 conn.send((src_items, args.iters + 2))
                 times, count = [], None
                 for params in receive(conn, source):
@@ -199,7 +210,7 @@ def run(args) -> list[dict]:
                     "tokens": tokens, "layout": layout, "bytes": nbytes, "descriptors": count,
                     "correct": correct, "in_place": stayed,
                     "pull_ms": pull_s * 1e3, "pull_GBps": nbytes / pull_s / 1e9,
-                    "first_pull_ms": times[0] * 1e3,
+                    "first_pull_ms": times[0] * 1e3, "plan_ms": plan_s * 1e3,
                     "copy_ms": copy_s * 1e3, "copy_GBps": nbytes / copy_s / 1e9,
                     "pull_vs_copy": copy_s / pull_s})
                 print(json.dumps(results[-1]), flush=True)
@@ -211,12 +222,13 @@ def run(args) -> list[dict]:
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| tokens | layout | MiB | descriptors | bytes ok, in place | NIXL pull ms (first) | NIXL GB/s "
-             "| plain copy ms | copy GB/s | pull / copy |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| tokens | layout | MiB | descriptors | bytes ok, in place | NIXL pull ms (first) "
+             "| plan ms | NIXL GB/s | plain copy ms | copy GB/s | pull / copy |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r['tokens']} | {r['layout']} | {r['bytes'] / 2**20:.1f} | {r['descriptors']} "
                      f"| {r['correct']}, {r['in_place']} | {r['pull_ms']:.2f} ({r['first_pull_ms']:.1f}) "
+                     f"| {r['plan_ms']:.2f} "
                      f"| {r['pull_GBps']:.2f} | {r['copy_ms']:.2f} | {r['copy_GBps']:.2f} "
                      f"| {r['pull_vs_copy']:.0%} |")
     return "\n".join(lines)

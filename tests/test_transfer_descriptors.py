@@ -74,3 +74,35 @@ def test_empty_transfer_has_no_descriptors():
 def test_malformed_items_are_refused_precisely(local, remote, message):
     with pytest.raises(DescriptorError, match=message):
         plan(local, LOCAL, remote, REMOTE)
+
+
+def test_random_plans_copy_exactly_the_stream():
+    """Against a byte-by-byte map: local stream position i receives remote stream byte i."""
+    rng = np.random.default_rng(1)
+    regions = {"a": Region("a", 1 << 30, 4096, 0, "DRAM"), "b": Region("b", 2 << 30, 4096, 0, "DRAM")}
+
+    def pieces(total, disjoint):
+        out, end = [], {"a": 0, "b": 0}
+        while total:
+            name, n = "ab"[rng.integers(2)], int(min(total, rng.integers(1, 64)))
+            start = end[name] + int(rng.integers(0, 3)) if disjoint else int(rng.integers(0, 4096 - n))
+            if start + n > 4096:
+                continue
+            out.append((name, start, n))
+            end[name], total = start + n, total - n
+        return out
+
+    def addresses(items):
+        return np.concatenate([regions[n].addr + o + np.arange(k) for n, o, k in items])
+
+    for _ in range(100):
+        total = int(rng.integers(1, 400))
+        local = pieces(total, disjoint=True)
+        rng.shuffle(local)
+        remote = pieces(total, disjoint=False)
+        p = plan(local, regions, remote, regions)
+        got = np.concatenate([a + np.arange(k) for a, k, _ in p.local.tolist()])
+        src = np.concatenate([a + np.arange(k) for a, k, _ in p.remote.tolist()])
+        assert dict(zip(got.tolist(), src.tolist())) == dict(zip(addresses(local).tolist(),
+                                                                  addresses(remote).tolist()))
+        assert p.count <= len(local) + len(remote)

@@ -6,9 +6,13 @@ differently (a source may pin one coalesced span where the destination uses sepa
 blocks); only the total must agree. ``plan`` splits the stream where either side's item
 boundary falls, then merges pieces that are contiguous on *both* sides within one region
 pair. Each merged piece becomes one descriptor per side: NIXL's per-descriptor cost
-(preparation, posting, one UCX request each) is what dominates many-block transfers, so
-the count is reported and asserted by callers. Descriptors never span two regions, since
-each is registered separately.
+(preparation, posting, one UCX request each; 10 to 14 µs a descriptor on H200) is what
+dominates many-block transfers, so the count is reported and asserted by callers.
+Descriptors never span two regions, since each is registered separately.
+
+A request names thousands of blocks, and planning runs on the engine's thread for every
+transfer, so the work is done on NumPy columns rather than per item in Python (a
+per-item version took several milliseconds for a 32k-token request).
 
 Everything is validated before anything is posted, so malformed items raise
 ``DescriptorError`` and disturb nothing.
@@ -44,9 +48,43 @@ class Plan:
         return len(self.local)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Columns:
+    """Validated items as arrays: region index (into ``names``), offset, length."""
+
+    names: list[str]
+    region: np.ndarray
+    offset: np.ndarray
+    length: np.ndarray
+
+
 def validate(items: Iterable, regions: Mapping[str, Region], side: str) -> list[Item]:
     """Items as ``(name, offset, length)`` tuples, each inside its region; else DescriptorError."""
-    out = []
+    c = _columns(list(items), regions, side)
+    return [(c.names[r], o, n) for r, o, n in zip(c.region.tolist(), c.offset.tolist(), c.length.tolist())]
+
+
+def _columns(items: list, regions: Mapping[str, Region], side: str) -> _Columns:
+    names = list(regions)
+    index = {name: i for i, name in enumerate(names)}
+    try:
+        if not all(len(x) == 3 for x in items):
+            _explain(items, regions, side)
+        keys, offsets, lengths = zip(*items) if items else ((), (), ())
+        region = np.array([index.get(k, -1) for k in keys], np.int64)
+        offset, length = np.array(offsets), np.array(lengths)
+    except (TypeError, ValueError):
+        _explain(items, regions, side)
+    sizes = np.array([regions[n].nbytes for n in names], np.int64)
+    if items and (offset.dtype.kind != "i" or length.dtype.kind != "i" or (region < 0).any()
+                  or (offset < 0).any() or (length <= 0).any()
+                  or (offset + length > sizes[region]).any()):
+        _explain(items, regions, side)
+    return _Columns(names, region, offset.astype(np.int64).reshape(-1), length.astype(np.int64).reshape(-1))
+
+
+def _explain(items: list, regions: Mapping[str, Region], side: str):
+    """Raise DescriptorError for the first bad item (the slow path, for a precise message)."""
     for i, item in enumerate(items):
         try:
             name, offset, length = item
@@ -60,64 +98,81 @@ def validate(items: Iterable, regions: Mapping[str, Region], side: str) -> list[
         if offset < 0 or length <= 0 or offset + length > size:
             raise DescriptorError(
                 f"{side} item {i}: bytes [{offset}, {offset + length}) outside region {name!r} of {size} bytes")
-        out.append((name, int(offset), int(length)))
-    return out
+    raise DescriptorError(f"{side} items: malformed")  # e.g. a mix NumPy cannot hold in one array
 
 
 def coalesce(items: Sequence[Item]) -> list[Item]:
     """Merge items that touch within a region (sorted by region and offset); refuse overlaps."""
-    out: list[list] = []
-    for name, offset, length in sorted(items):
-        if out and out[-1][0] == name and offset < out[-1][1] + out[-1][2]:
-            raise DescriptorError(f"items overlap in region {name!r} at byte {offset}")
-        if out and out[-1][0] == name and out[-1][1] + out[-1][2] == offset:
-            out[-1][2] += length
-        else:
-            out.append([name, offset, length])
-    return [tuple(x) for x in out]
+    names = sorted({name for name, _, _ in items})
+    c = _columns(list(items), {n: Region(n, 0, 1 << 62, 0, "DRAM") for n in names}, "item")
+    region, offset, length = _merge_runs([c.region], [c.offset], c.length, [c.names])
+    return [(names[r], o, n) for r, o, n in zip(region[0].tolist(), offset[0].tolist(), length.tolist())]
 
 
 def plan(local_items: Sequence[Item], local_regions: Mapping[str, Region],
          remote_items: Sequence[Item], remote_regions: Mapping[str, Region]) -> Plan:
     """Descriptors that copy the remote byte stream onto the local one (see module docstring)."""
-    local = validate(local_items, local_regions, "local")
-    remote = validate(remote_items, remote_regions, "remote")
-    coalesce(local)  # raises if two destination items overlap: the result would be ambiguous
-    total_local, total_remote = sum(x[2] for x in local), sum(x[2] for x in remote)
+    local = _columns(list(local_items), local_regions, "local")
+    remote = _columns(list(remote_items), remote_regions, "remote")
+    total_local, total_remote = int(local.length.sum()), int(remote.length.sum())
     if total_local != total_remote:
         raise DescriptorError(f"local items hold {total_local} bytes but remote items {total_remote}")
-    pieces = sorted(_split(local, remote), key=lambda p: (p[0], p[2], p[3], p[1]))
-    merged: list[list] = []
-    for lname, loff, rname, roff, n in pieces:
-        last = merged[-1] if merged else None
-        if (last and last[0] == lname and last[2] == rname
-                and last[1] + last[4] == loff and last[3] + last[4] == roff):
-            last[4] += n
-        else:
-            merged.append([lname, loff, rname, roff, n])
-    return Plan(_rows(((m[0], m[1], m[4]) for m in merged), local_regions),
-                _rows(((m[2], m[3], m[4]) for m in merged), remote_regions), total_local)
+    # destination items that overlap would make the result ambiguous
+    _merge_runs([local.region], [local.offset], local.length, [local.names])
+    # split the stream at every item boundary of either side
+    lstart = np.cumsum(local.length) - local.length
+    rstart = np.cumsum(remote.length) - remote.length
+    cuts = np.union1d(lstart, rstart)
+    sizes = np.diff(np.append(cuts, total_local))
+    li = np.searchsorted(lstart, cuts, "right") - 1
+    ri = np.searchsorted(rstart, cuts, "right") - 1
+    lreg, loff = local.region[li], local.offset[li] + cuts - lstart[li]
+    rreg, roff = remote.region[ri], remote.offset[ri] + cuts - rstart[ri]
+    (lreg, rreg), (loff, roff), sizes = _merge_runs(
+        [lreg, rreg], [loff, roff], sizes, [local.names, remote.names], overlap_ok=True)
+    return Plan(_rows(lreg, loff, sizes, local.names, local_regions),
+                _rows(rreg, roff, sizes, remote.names, remote_regions), total_local)
 
 
-def _split(local: list[Item], remote: list[Item]):
-    """Walk both streams, yielding (local region, local off, remote region, remote off, length)."""
-    li = ri = 0
-    lpos = rpos = 0  # bytes consumed of the current item on each side
-    while li < len(local):
-        lname, loff, llen = local[li]
-        rname, roff, rlen = remote[ri]
-        n = min(llen - lpos, rlen - rpos)
-        yield lname, loff + lpos, rname, roff + rpos, n
-        lpos, rpos = lpos + n, rpos + n
-        if lpos == llen:
-            li, lpos = li + 1, 0
-        if rpos == rlen:
-            ri, rpos = ri + 1, 0
+def _merge_runs(regions: list[np.ndarray], offsets: list[np.ndarray], length: np.ndarray,
+                names: list[list[str]], overlap_ok: bool = False):
+    """Sort pieces by their regions, then offsets (first side first); merge those contiguous
+    on every side within the same regions.
+
+    Raises DescriptorError if pieces overlap on the first side (unless ``overlap_ok``).
+    """
+    if len(length) == 0:
+        return regions, offsets, length
+    order = np.lexsort((*offsets[::-1], *regions[::-1]))
+    regions = [r[order] for r in regions]
+    offsets = [o[order] for o in offsets]
+    length = length[order]
+    same = np.ones(len(length) - 1, bool)
+    for r in regions:
+        same &= r[1:] == r[:-1]
+    if not overlap_ok:
+        ends = offsets[0][:-1] + length[:-1]
+        bad = np.flatnonzero(same & (offsets[0][1:] < ends))
+        if len(bad):
+            j = bad[0] + 1
+            raise DescriptorError(
+                f"items overlap in region {names[0][regions[0][j]]!r} at byte {offsets[0][j]}")
+    joins = same.copy()
+    for o in offsets:
+        joins &= o[1:] == o[:-1] + length[:-1]
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    return ([r[starts] for r in regions], [o[starts] for o in offsets],
+            np.add.reduceat(length, starts))
 
 
-def _rows(spans: Iterable[Item], regions: Mapping[str, Region]) -> np.ndarray:
-    rows = [(regions[name].addr + off, n, regions[name].device_id) for name, off, n in spans]
-    return np.array(rows, dtype=np.uint64).reshape(-1, 3)
+def _rows(region: np.ndarray, offset: np.ndarray, length: np.ndarray, names: list[str],
+          regions: Mapping[str, Region]) -> np.ndarray:
+    base = np.array([regions[n].addr for n in names], np.uint64)
+    device = np.array([regions[n].device_id for n in names], np.uint64)
+    if len(length) == 0:
+        return np.zeros((0, 3), np.uint64)
+    return np.stack([base[region] + offset.astype(np.uint64), length.astype(np.uint64),
+                     device[region]], axis=1)
 
 
 def _is_int(v) -> bool:
