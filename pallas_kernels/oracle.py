@@ -1,5 +1,5 @@
-"""Float64 NumPy oracles written from the token recurrences (for checks on the
-GPU in bench/kernels.py; the CPU tests carry their own copies)."""
+"""Float64 NumPy oracles written from the token recurrences, not from the chunked
+form: the CPU tests and the GPU checks in bench/kernels.py both measure against them."""
 from __future__ import annotations
 
 import numpy as np

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import causal_conv1d_prefill, causal_conv1d_update
+from pallas_kernels.oracle import conv1d_prefill_oracle as oracle_prefill
 
 F32_TOL = 1e-4
 BF16_TOL = 1e-2
@@ -23,22 +24,6 @@ def _np(a):
 
 def _act(y, activation):
     return y / (1.0 + np.exp(-y)) if activation == "silu" else y
-
-
-def oracle_prefill(x, w, cu, init, activation):
-    T, C = x.shape
-    K = w.shape[1]
-    N = len(cu) - 1
-    y = np.zeros((T, C))
-    fin = np.zeros((N, K - 1, C))
-    for n in range(N):
-        hist = list(np.zeros((K - 1, C)) if init is None else init[n])  # oldest first
-        for t in range(cu[n], cu[n + 1]):
-            hist.append(x[t])
-            win = np.stack(hist[-K:])
-            y[t] = _act((win * w.T).sum(0), activation)
-        fin[n] = np.stack(hist[-(K - 1):])
-    return y, fin
 
 
 def rel_err(got, want):

@@ -17,37 +17,10 @@ import jax.numpy as jnp
 
 from pallas_kernels import gdn_decode, gdn_prefill
 from pallas_kernels.gdn import chunk_table
+from pallas_kernels.oracle import gdn_prefill_oracle as oracle_prefill
 
 F32_TOL = 1e-4
 BF16_TOL = 1e-2
-
-
-# ----------------------------------------------------------------------------
-# float64 oracle (token recurrence; not the chunked form)
-# ----------------------------------------------------------------------------
-def oracle_prefill(q, k, v, g, beta, cu, init, scale, l2):
-    """q,k [T,Hk,dk]; v [T,Hv,dv]; g,beta [T,Hv]; cu [N+1]; init [N,Hv,dk,dv]|None."""
-    q, k, v, g, beta = (np.asarray(a, np.float64) for a in (q, k, v, g, beta))
-    T, Hk, dk = q.shape
-    Hv, dv = v.shape[1:]
-    r = Hv // Hk
-    N = len(cu) - 1
-    if l2:
-        q = q / np.sqrt((q * q).sum(-1, keepdims=True) + 1e-6)
-        k = k / np.sqrt((k * k).sum(-1, keepdims=True) + 1e-6)
-    q = np.repeat(q, r, axis=1) * scale
-    k = np.repeat(k, r, axis=1)
-    o = np.zeros((T, Hv, dv))
-    fin = np.zeros((N, Hv, dk, dv)) if init is None else np.array(init, np.float64)
-    for n in range(N):
-        S = fin[n].copy()
-        for t in range(cu[n], cu[n + 1]):
-            S *= np.exp(g[t])[:, None, None]
-            vn = beta[t][:, None] * (v[t] - np.einsum("hkv,hk->hv", S, k[t]))
-            S += k[t][:, :, None] * vn[:, None, :]
-            o[t] = np.einsum("hkv,hk->hv", S, q[t])
-        fin[n] = S
-    return o, fin
 
 
 def rel_err(got, want):
