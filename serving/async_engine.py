@@ -189,8 +189,10 @@ class AsyncEngine:
         try:
             while not self._stopping:
                 self._wake.clear()
-                busy = self._tick(self.engine) if self._tick is not None else False
                 self._apply_commands()
+                # After the commands: one of them may have started a pull or pinned a lease,
+                # which must be polled even if the engine then goes idle.
+                busy = self._tick(self.engine) if self._tick is not None else False
                 self._stats = self._snapshot()
                 if self.engine.has_unfinished():
                     self._deliver(self.engine.step())
