@@ -204,7 +204,7 @@ def from_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, *,
                     start = start[:-1] + (cols.start,)
                 leaves[ppath] = _write(leaf, value.reshape((1,) * len(index) + value.shape),
                                        jnp.array(start, jnp.int32))
-                lead = len(_stack_index(ppath))
+                lead = len(next(iter(expected[ppath])))  # stacking axes: 0, 1 (attn) or 2 (GDN)
                 filled[ppath].add(index if len(index) == lead else
                                   index[:lead] + ((index[lead], cols.start if cols else 0),))
     bar.close()
@@ -220,11 +220,6 @@ def from_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, *,
 
 def _key(part: str):
     return int(part) if part.isdigit() else part
-
-
-def _stack_index(path: str) -> tuple:
-    """The leading (stacking) index of a parameter: () top level, (g,) attention, (g, j) GDN."""
-    return (0, 0) if path.startswith("groups.gdn") else (0,) if path.startswith("groups.attn") else ()
 
 
 def _layers_covered(cfg: Qwen35Config, path: str, units: set) -> set:
