@@ -1,4 +1,4 @@
-"""Backend selection shared by the GDN and conv1d ops.
+"""Backend selection shared by the GDN, conv1d and paged attention ops.
 
 backend:
   "auto"      -> the fastest measured backend for the platform: the Pallas GPU
@@ -20,6 +20,7 @@ BEST_GPU_BACKEND = {
     "gdn_decode": {"sm90": "pallas", "sm100": "pallas"},
     "conv1d_prefill": {"sm90": "pallas", "sm100": "pallas"},
     "conv1d_update": {"sm90": "pallas", "sm100": "pallas"},
+    "paged_attention": {"sm90": "pallas", "sm100": "pallas"},
 }
 
 BACKENDS = ("auto", "reference", "recurrent", "pallas", "interpret")

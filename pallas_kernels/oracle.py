@@ -75,3 +75,31 @@ def rel_err(got, want):
     if not np.all(np.isfinite(got)):
         return float("nan")
     return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+
+
+def paged_attention_oracle(q, kv, layer, block_tables, seq_ids, positions, scale, valid):
+    """Causal GQA attention read through the block table, token by token.
+
+    q [T,H,hd]; kv [num_blocks, L, 2, block_size, KV, hd]; a valid token t of
+    sequence s at position p attends keys 0..p of s (key j lives in block
+    block_tables[s, j // block_size] at offset j % block_size); invalid tokens
+    are 0 (what the kernels write for padding)."""
+    q = np.asarray(q, np.float64)
+    kv = np.asarray(kv, np.float64)
+    T, H, hd = q.shape
+    bs, KV = kv.shape[3], kv.shape[4]
+    g = H // KV
+    o = np.zeros((T, H, hd))
+    for t in range(T):
+        if not valid[t]:
+            continue
+        p = int(positions[t])
+        j = np.arange(p + 1)
+        blk = np.asarray(block_tables)[int(seq_ids[t]), j // bs]
+        k = kv[blk, layer, 0, j % bs]  # [p+1, KV, hd]
+        v = kv[blk, layer, 1, j % bs]
+        for h in range(H):
+            s = k[:, h // g] @ q[t, h] * scale
+            w = np.exp(s - s.max())
+            o[t, h] = (w / w.sum()) @ v[:, h // g]
+    return o

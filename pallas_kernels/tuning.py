@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 
 # GDN chunked prefill: bv = V tile of the state kept per program (state tile
 # [dk, bv] fp32), warps / stages for the intra-chunk and main kernels.
@@ -45,6 +46,28 @@ CONV1D = {
     "sm90": dict(bt=32, bc=256, warps=4, stages=2, update_bc=512),
     "sm100": dict(bt=32, bc=256, warps=4, stages=2, update_bc=512),
     "default": dict(bt=32, bc=256, warps=4, stages=2, update_bc=512),
+}
+
+# Paged attention (pallas_kernels/attention/pallas_triton.py).  prefill: bm query
+# rows per program (tokens x the GQA group padded to a power of two), bk keys
+# per inner step.  decode: one token per program, the group padded to 16 rows;
+# the key range is split over programs until there are about min_programs of
+# them (at most max_splits per row), or exactly "splits" if given.  "f32":
+# overrides for float32 inputs, whose tiles take twice the shared memory
+# (hd 256: a 64-key fp32 K or V tile is 64 KB, four of them exceed the 228 KB).
+_ATTN_PREFILL = dict(bm=128, bk=64, warps=8, stages=3, f32=dict(bm=64, bk=32, stages=2))
+_ATTN_DECODE = dict(bk=64, warps=4, stages=2, min_programs=264, max_splits=16,
+                    f32=dict(bk=32))
+ATTENTION = {
+    # H200 2026-11-30 (bench/RESULTS.md, paged attention runs 1-2): prefill
+    # 3 stages best of 12 (1x8192: 1.77-1.82 ms, ~305 TFLOP/s); decode: bk 32 with
+    # 3-4 stages gains 10-15 % on long contexts but loses 2x at N64 ctx 1024
+    "sm90": dict(prefill=dict(_ATTN_PREFILL), decode=dict(_ATTN_DECODE)),
+    # Blackwell: not measured yet; starts from the Hopper entry
+    "sm100": dict(prefill=dict(_ATTN_PREFILL), decode=dict(_ATTN_DECODE)),
+    # CPU interpret mode: small tiles so the tests walk several key tiles
+    "default": dict(prefill=dict(bm=32, bk=16, warps=4, stages=2),
+                    decode=dict(bk=16, warps=4, stages=2, min_programs=8, max_splits=4)),
 }
 
 
@@ -84,3 +107,11 @@ def gdn_decode_config(dv, state_dtype=None, arch=None):
 
 def conv1d_config(arch=None):
     return CONV1D[_family(arch or gpu_arch())]
+
+
+def attention_config(is_decode, dtype, arch=None):
+    cfg = dict(ATTENTION[_family(arch or gpu_arch())]["decode" if is_decode else "prefill"])
+    f32 = cfg.pop("f32", {})
+    if jnp.dtype(dtype) == jnp.float32:
+        cfg.update(f32)
+    return cfg

@@ -37,6 +37,7 @@ class GatedAttention(nnx.Module):
         k = apply_partial_rope(self.k_norm(k), meta.positions, **rope)
         kv_cache = write_kv(kv_cache, layer, k, v, meta.kv_block_ids, meta.kv_offsets)
         o = paged_attention(q, kv_cache, layer, meta.block_tables, meta.seq_ids, meta.positions,
-                            scale=self.head_dim ** -0.5)
+                            scale=self.head_dim ** -0.5, cu_seqlens=meta.cu_seqlens,
+                            is_decode=meta.is_decode)
         o = o.reshape(t, self.heads * self.head_dim) * jax.nn.sigmoid(gate.reshape(t, -1))
         return self.o_proj(o), kv_cache
