@@ -2,6 +2,7 @@
 
     python -m bench.transfer [--device cpu|gpu] [--preset 35B-A3B] [--tokens 1024,8192]
                              [--block-size 16] [--iters 10] [--ssm-dtype float32]
+                             [--progress-thread auto|on|off]
 
 A source process (the prefill side) and this process (the decode side) each allocate the
 cache pools of ``--preset`` as ``transfer`` regions: a block-major KV pool and one slot of
@@ -11,7 +12,8 @@ also proves that the update wrote into the registered memory. For each prompt le
 decode side pulls the request (the prompt's KV blocks plus both state slots) ``--iters``
 times, into consecutive blocks ("contiguous", 3 descriptors) and into a shuffled block
 list ("fragmented", about one descriptor per block), checks the bytes once, and reports
-the median time from ``pull()`` to the source's ack. Beside it, in the same run, a plain
+the median time from ``pull()`` to the source's ack, split into its phases (planning,
+posting the READ, the READ itself, the ack). Beside it, in the same run, a plain
 copy of the same number of bytes: ``np.copyto`` between host buffers on CPU, a
 ``jax.device_put`` from the source's GPU to this one on GPU.
 
@@ -38,7 +40,7 @@ import numpy as np  # noqa: E402
 
 from qwen35_jax.cache import HybridCache  # noqa: E402
 from qwen35_jax.config import get_preset  # noqa: E402
-from transfer import Agent, TransferManager, allocate, plan  # noqa: E402
+from transfer import Agent, TransferManager, allocate  # noqa: E402
 
 
 def pools(args) -> dict[str, tuple[int, int]]:
@@ -76,7 +78,8 @@ def make_side(args, dev, fill_pattern):
         regions.append(region)
     compat = {"preset": args.preset, "block_size": args.block_size, "ssm_dtype": args.ssm_dtype,
               "row_bytes": {n: b for n, (_, b) in pools(args).items()}}
-    return arrays, TransferManager(Agent(regions), compat)
+    progress = {"auto": None, "on": True, "off": False}[args.progress_thread]
+    return arrays, TransferManager(Agent(regions, progress_thread=progress), compat)
 
 
 def in_place(arrays, manager) -> bool:
@@ -143,16 +146,6 @@ def ipc_capable(addr: int) -> bool | None:
     return bool(value) if err == driver.CUresult.CUDA_SUCCESS else None
 
 
-def plan_time(local_items, src_items, regions) -> float:
-    """Median seconds to plan the request's descriptors (part of every pull; pools match)."""
-    times = []
-    for _ in range(5):
-        t = time.perf_counter()
-        plan(local_items, regions, src_items, regions)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
 def receive(conn, source):
     """The source's next message; raises if the source process died instead."""
     while not conn.poll(1.0):
@@ -189,9 +182,8 @@ def run(args) -> list[dict]:
                 if layout == "fragmented":
                     rng.shuffle(local_blocks)
                 local_items = request_items(args, tokens, local_blocks, rows)
-                plan_s = plan_time(local_items, src_items, manager.agent.regions)
                 conn.send((src_items, args.iters + 2))
-                times, count = [], None
+                times, phases, count = [], [], None
                 for params in receive(conn, source):
                     t = time.perf_counter()
                     pid = manager.pull(params, local_items, timeout=600)
@@ -200,6 +192,7 @@ def run(args) -> list[dict]:
                     if not c.ok:
                         raise RuntimeError(f"pull failed: {c.error}")
                     count = c.descriptors
+                    phases.append(c.phases)
                 correct = check(arrays, args, tokens, local_blocks)
                 for name in arrays:  # wipe, so the next layout's check proves its own pull
                     arrays[name] = jax.block_until_ready(wipe(arrays[name]))
@@ -210,7 +203,9 @@ def run(args) -> list[dict]:
                     "tokens": tokens, "layout": layout, "bytes": nbytes, "descriptors": count,
                     "correct": correct, "in_place": stayed,
                     "pull_ms": pull_s * 1e3, "pull_GBps": nbytes / pull_s / 1e9,
-                    "first_pull_ms": times[0] * 1e3, "plan_ms": plan_s * 1e3,
+                    "first_pull_ms": times[0] * 1e3,
+                    "phases_ms": {k: statistics.median(ph[k] for ph in phases[2:]) * 1e3
+                                  for k in phases[-1]},
                     "copy_ms": copy_s * 1e3, "copy_GBps": nbytes / copy_s / 1e9,
                     "pull_vs_copy": copy_s / pull_s})
                 print(json.dumps(results[-1]), flush=True)
@@ -223,12 +218,12 @@ def run(args) -> list[dict]:
 
 def table(results: list[dict]) -> str:
     lines = ["| tokens | layout | MiB | descriptors | bytes ok, in place | NIXL pull ms (first) "
-             "| plan ms | NIXL GB/s | plain copy ms | copy GB/s | pull / copy |",
+             "| plan / post / read / ack ms | NIXL GB/s | plain copy ms | copy GB/s | pull / copy |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r['tokens']} | {r['layout']} | {r['bytes'] / 2**20:.1f} | {r['descriptors']} "
                      f"| {r['correct']}, {r['in_place']} | {r['pull_ms']:.2f} ({r['first_pull_ms']:.1f}) "
-                     f"| {r['plan_ms']:.2f} "
+                     f"| {' / '.join(f'{v:.2f}' for v in r['phases_ms'].values())} "
                      f"| {r['pull_GBps']:.2f} | {r['copy_ms']:.2f} | {r['copy_GBps']:.2f} "
                      f"| {r['pull_vs_copy']:.0%} |")
     return "\n".join(lines)
@@ -243,6 +238,8 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--ssm-dtype", default="float32")
     p.add_argument("--same-device", action="store_true", help="both processes on GPU 0")
+    p.add_argument("--progress-thread", choices=("auto", "on", "off"), default="auto",
+                   help="NIXL's progress thread (auto: on for GPU memory, off for host memory)")
     args = p.parse_args(argv)
     print(table(run(args)))
 

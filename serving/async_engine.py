@@ -33,6 +33,7 @@ from collections.abc import AsyncIterator, Callable
 from serving.engine import Engine, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
+IDLE_TICK = 0.02  # seconds between ticks of an idle engine that has a tick
 
 
 class EngineOverloaded(RuntimeError):
@@ -80,7 +81,10 @@ class AsyncEngine:
                  tick: Callable[[Engine], bool] | None = None):
         """`tick(engine)` runs on the engine thread before every iteration (the
         disaggregated worker polls its transfers there); while it returns True
-        the thread keeps iterating instead of sleeping until the next command."""
+        the thread iterates every millisecond, otherwise every IDLE_TICK seconds
+        when nothing else wakes it: a peer may READ our memory at any time (a
+        replayed lease, say), and with NIXL's progress thread off that READ only
+        completes while we poll."""
         self.engine = engine
         self.max_queued_requests = max_queued_requests
         self.max_model_len = engine.config.max_model_len
@@ -203,7 +207,8 @@ class AsyncEngine:
                     self._deliver(self.engine.step())
                     drained = True
                 else:
-                    self._wake.wait(timeout=0.001 if busy else None)
+                    idle = IDLE_TICK if self._tick is not None else None
+                    self._wake.wait(timeout=0.001 if busy else idle)
         except BaseException as e:  # noqa: BLE001 -- every failure must reach the callers
             log.exception("engine loop failed")
             self.error = e

@@ -33,7 +33,8 @@ class PeerDisconnected(RuntimeError):
 class Agent:
     """A NIXL agent with ``regions`` registered on the UCX backend."""
 
-    def __init__(self, regions: Sequence[Region], name: str | None = None, num_threads: int = 0):
+    def __init__(self, regions: Sequence[Region], name: str | None = None, num_threads: int = 0,
+                 progress_thread: bool | None = None):
         if not regions:
             raise ValueError("an agent needs at least one region")
         names = [r.name for r in regions]
@@ -45,9 +46,16 @@ class Agent:
         self.mem_type = mem_types.pop()
         make_current(regions[0])  # before UCX starts: it chooses GPU transports per thread
         self.name = name or f"transfer-{uuid.uuid4().hex}"
-        # NIXL's progress thread is required: without it a READ does not complete however
-        # often the owner polls (measured on CPU/UCX, 2026-11-30).
-        config = nixl_agent_config(enable_prog_thread=True, num_threads=num_threads, backends=["UCX"],
+        # NIXL's progress thread spins (its Python API fixes the delay at 0): on CPU it took
+        # ~10 % of a core per idle agent. Without it UCX advances only inside the owner's
+        # NIXL calls, so both sides must call ``TransferManager.poll()`` regularly, also
+        # when idle (a peer may READ at any time); the workers do. READs then complete as
+        # fast (measured 2026-11-30, CPU, 64 MiB). On GPU a bare READ did not complete
+        # without the thread (2×H200, same day), so VRAM agents keep it by default.
+        if progress_thread is None:
+            progress_thread = self.mem_type == "VRAM"
+        config = nixl_agent_config(enable_prog_thread=progress_thread, num_threads=num_threads,
+                                   backends=["UCX"],
                                    sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
         self._nixl = nixl_agent(self.name, config)
         if "UCX" not in self._nixl.backends:

@@ -103,6 +103,11 @@ class Completion:
     nbytes: int
     descriptors: int
     seconds: float
+    # Where ``seconds`` went, for benchmarks and metrics: "plan" (the handshake if the
+    # source was new, and descriptor planning),
+    # "post" (NIXL initialize + post of the READ), "read" (until NIXL reported the READ
+    # done, as seen by poll()), "ack" (from then until the source's ack).
+    phases: dict = dataclasses.field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -132,6 +137,7 @@ class _Pull:
     next_done: float = 0.0  # when to repeat "done" if the source has not acked
     ack: str | None = None
     hung: bool = False
+    marks: dict = dataclasses.field(default_factory=dict)  # phase -> monotonic time it ended
 
 
 class TransferManager:
@@ -235,6 +241,7 @@ class TransferManager:
         unreachable source is reported as a "peer_gone" completion instead.
         """
         agent, lease, items, ttl, address = _parse(params)
+        started = time.monotonic()
         try:
             peer = self._resolve(agent, address)
         except HandshakeError as e:  # a runtime failure, not the caller's mistake
@@ -246,7 +253,8 @@ class TransferManager:
         except descriptors.DescriptorError as e:
             raise TransferParamsError(str(e)) from None
         now = time.monotonic()
-        p = _Pull(next(self._pull_ids), agent, lease, plan, ttl, now, now + timeout, now + ttl / 3)
+        p = _Pull(next(self._pull_ids), agent, lease, plan, ttl, started, now + timeout,
+                  now + ttl / 3, marks={"plan": now})
         p.tag = f"{self._epoch}.{p.id}"
         self._pulls[p.id] = p
         if self.faults.fail_next > 0:
@@ -297,13 +305,15 @@ class TransferManager:
         except Exception as e:  # NIXL raises its own types for unknown peers, bad descriptors, ...
             self._fail(p, ERROR, f"posting READ failed: {e!r}")
             return
+        p.marks["post"] = time.monotonic()
         self._on_state(p, state)
 
     def _on_state(self, p: _Pull, state: str) -> None:
         if state == "DONE":
             self.agent.release(p.handle)
             p.handle, p.read_done = None, True
-            p.next_done = time.monotonic() + RESEND
+            p.marks["read"] = time.monotonic()
+            p.next_done = p.marks["read"] + RESEND
             self._maybe_complete(p)
         elif state == "ERR":
             self._fail(p, ERROR, "NIXL reported a transfer error")
@@ -327,8 +337,15 @@ class TransferManager:
 
     def _finish(self, p: _Pull, error: TransferError | None) -> None:
         del self._pulls[p.id]
+        end = time.monotonic()
+        phases, last = {}, p.started
+        for name in ("plan", "post", "read"):
+            if name in p.marks:
+                phases[name], last = p.marks[name] - last, p.marks[name]
+        if error is None:
+            phases["ack"] = end - last
         self._done.append(Completion(p.id, p.lease, error, p.plan.nbytes, p.plan.count,
-                                     time.monotonic() - p.started))
+                                     end - p.started, phases))
 
     def _peer_alive(self, name: str) -> bool:
         address = self._addresses.get(name)
