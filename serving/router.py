@@ -197,7 +197,7 @@ class Router:
         """Sums of the workers' counters as of the last health poll."""
         keys = ("num_running", "num_waiting", "num_blocks", "free_blocks", "num_slots",
                 "free_slots", "num_preemptions", "serving_compiles", "transfers",
-                "transfer_bytes", "transfer_seconds", "transfer_descriptors")
+                "transfer_bytes", "transfer_seconds", "transfer_descriptors", "transfer_failures")
         total = {k: sum(s.get(k, 0) for s in self._stats.values()) for k in keys}
         total["kv_cache_usage"] = 1 - total["free_blocks"] / max(total["num_blocks"], 1)
         total["state_slot_usage"] = 1 - total["free_slots"] / max(total["num_slots"], 1)

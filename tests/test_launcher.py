@@ -14,6 +14,7 @@ import httpx
 import openai
 import psutil
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 
 def _port():
@@ -58,8 +59,19 @@ def test_completion_and_chat_through_the_router(server):
         model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5,
         stream=True, stream_options={"include_usage": True}))
     assert chunks[-1].usage.completion_tokens >= 1
-    metrics = httpx.get(f"{url}/metrics").text
-    assert "vllm:num_requests_running" in metrics
+    # The router reads the workers' counters on its 1 s health poll.
+    end = time.monotonic() + 30
+    while True:
+        samples = {s.name: s.value for family in text_string_to_metric_families(
+            httpx.get(f"{url}/metrics").text) for s in family.samples}
+        if samples["vllm:kv_transfers_total"] >= 3 or time.monotonic() > end:
+            break
+        time.sleep(0.5)
+    assert samples["vllm:kv_transfers_total"] == 3, samples
+    assert samples["vllm:kv_transfer_failures_total"] == 0
+    # one run of consecutive KV blocks + the conv slot + the recurrent slot
+    assert samples["vllm:kv_transfer_descriptors_total"] == 3 * 3
+    assert samples["vllm:num_requests_running"] == 0
 
 
 def test_ctrl_c_stops_every_process(server):

@@ -127,3 +127,8 @@ class _BackendCollector:
         yield counter("vllm:kv_transfer_seconds", "Time spent in transfers (divided by "
                       "vllm:kv_transfers_total: the mean latency)",
                       s.get("transfer_seconds", 0.0))
+        yield counter("vllm:kv_transfer_descriptors", "NIXL descriptors posted by transfers "
+                      "(divided by vllm:kv_transfers_total: descriptors per request)",
+                      s.get("transfer_descriptors", 0))
+        yield counter("vllm:kv_transfer_failures", "Transfers that failed or timed out",
+                      s.get("transfer_failures", 0))
