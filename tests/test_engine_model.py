@@ -208,6 +208,9 @@ def test_offline_bench_runs_on_cpu(tmp_path):
               "--num-blocks", "64", "--block-size", "8", "--prefill-token-buckets", "64",
               "--prefill-seq-buckets", "4", "--decode-seq-buckets", "4",
               "--json", str(tmp_path / "r.json")])
-    assert r["total_output_tokens"] >= 8 and r["output_throughput"] > 0 and r["ttft_ms"]["p99"] > 0
-    assert r["serving_compiles"] == 0 and 0 <= r["host_idle_share"] < 1
+    w = r["runs"][0]
+    assert w["total_output_tokens"] >= 8 and w["output_throughput"] > 0 and w["ttft_ms"]["p99"] > 0
+    assert w["serving_compiles"] == 0 and 0 <= w["host_idle_share"] < 1
+    # every dispatched step has its recorded shape and its completion stamp
+    assert w["roofline"]["phases"]["all"]["steps"] == w["steps"] > 0
     assert (tmp_path / "r.json").exists()

@@ -30,6 +30,14 @@ class IdleTimer:
             with self._lock:
                 self._done[seq] = time.perf_counter()
 
+    def timeline(self) -> list[tuple[int, float, float]]:
+        """(seq, dispatch time, completion time) of each completed step, in
+        dispatch order: lets a benchmark set each step's device time against
+        that step's roofline."""
+        with self._lock:
+            done = dict(self._done)
+        return [(s, self._dispatch[s], done[s]) for s in sorted(self._dispatch) if s in done]
+
     def summary(self) -> dict:
         """Idle seconds and share over the span from the first dispatch to the
         last completion (call after the engine drained)."""

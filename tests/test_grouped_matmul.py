@@ -1,0 +1,87 @@
+"""Grouped matmul: the reference against a float64 per-row oracle, and the
+padding contract around the Mosaic GPU kernel, checked on CPU with a stand-in
+that enforces that kernel's input rules and leaves unowned rows unwritten (NaN).
+The kernel itself runs only on sm90; bench/offline.py checks it there."""
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.grouped_matmul import (
+    grouped_matmul, grouped_matmul_reference, mgpu_tiles, padded_call, resolve)
+
+
+def _oracle(x, w, sizes):
+    x, w = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    group = np.repeat(np.arange(len(sizes)), sizes)
+    out = np.zeros((x.shape[0], w.shape[2]))
+    for r, g in enumerate(group):
+        out[r] = x[r] @ w[g]
+    return out
+
+
+def _case(rng, rows, experts, k, n, empty=()):
+    """Group sizes summing to `rows`, with the groups in `empty` left empty."""
+    weights = rng.random(experts)
+    weights[list(empty)] = 0
+    sizes = rng.multinomial(rows, weights / weights.sum()).astype(np.int32)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    w = rng.standard_normal((experts, k, n)).astype(np.float32)
+    return x, w, sizes
+
+
+def _stand_in(lhs, rhs, *, group_sizes, block_m, block_n, block_k, max_concurrent_steps,
+              grid_block_n):
+    """The Mosaic kernel's contract: whole row tiles of at least one tile, K and N
+    tile multiples; rows past sum(group_sizes) are not written (NaN here)."""
+    m, k = lhs.shape
+    assert m >= block_m and m % block_m == 0, (m, block_m)
+    assert k % block_k == 0 and rhs.shape[2] % (block_n * grid_block_n) == 0
+    out = jax.lax.ragged_dot(lhs, rhs, group_sizes, precision=jax.lax.Precision.HIGHEST)
+    owned = jnp.arange(m)[:, None] < jnp.sum(group_sizes)
+    return jnp.where(owned, out, jnp.nan)
+
+
+def test_reference_matches_oracle_with_empty_groups():
+    rng = np.random.default_rng(0)
+    x, w, sizes = _case(rng, 37, 6, 16, 24, empty=(0, 3))
+    out = grouped_matmul_reference(jnp.asarray(x), jnp.asarray(w), jnp.asarray(sizes))
+    ref = _oracle(x, w, sizes)
+    assert np.linalg.norm(np.asarray(out) - ref) / np.linalg.norm(ref) < 1e-5
+
+
+@pytest.mark.parametrize("rows", [8, 64, 100, 192])
+def test_padding_to_row_tiles_returns_every_row(rows):
+    """Decode-size row counts (below one tile) and ragged ones are padded to whole
+    tiles; every returned row is written and right, padding rows are cut off."""
+    rng = np.random.default_rng(rows)
+    x, w, sizes = _case(rng, rows, 8, 128, 128, empty=(1, 5))
+    tiles = dict(block_m=64, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1)
+    out = np.asarray(padded_call(_stand_in, jnp.asarray(x), jnp.asarray(w),
+                                 jnp.asarray(sizes), tiles))
+    assert out.shape == (rows, 128) and np.isfinite(out).all()
+    ref = _oracle(x, w, sizes)
+    assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-5
+
+
+def test_tiles_follow_the_operands():
+    w = jnp.zeros((4, 2048, 1024), jnp.bfloat16)
+    assert mgpu_tiles(jnp.zeros((8, 2048), jnp.bfloat16), w)["block_n"] == 256
+    narrow = jnp.zeros((4, 2048, 384), jnp.bfloat16)  # a multiple of 128, not of 256
+    assert mgpu_tiles(jnp.zeros((8, 2048), jnp.bfloat16), narrow)["block_n"] == 128
+    assert mgpu_tiles(jnp.zeros((8, 2048), jnp.float32), w.astype(jnp.float32)) is None
+    assert mgpu_tiles(jnp.zeros((8, 2000), jnp.bfloat16),
+                      jnp.zeros((4, 2000, 1024), jnp.bfloat16)) is None
+
+
+def test_dispatch_on_cpu_is_the_reference():
+    assert resolve("auto") == "reference" and resolve("mgpu") == "mgpu"
+    with pytest.raises(ValueError):
+        resolve("triton")
+    rng = np.random.default_rng(1)
+    x, w, sizes = _case(rng, 40, 4, 32, 16)
+    out = np.asarray(grouped_matmul(jnp.asarray(x), jnp.asarray(w), jnp.asarray(sizes)))
+    ref = _oracle(x, w, sizes)
+    assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-5
