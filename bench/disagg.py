@@ -1,17 +1,35 @@
 """Serving benchmark over the OpenAI API, in the manner of `vllm bench serve`.
 
-    python -m bench.disagg --model tiny --input-len 128 --output-len 32 --concurrency 1 4 16
+    python -m bench.disagg                                   # CPU: the tiny model, a small sweep
+    python -m bench.disagg --compare-aggregated              # + the aggregated server, same requests
     python -m bench.disagg --base-url http://127.0.0.1:8000 --input-len 8192 --output-len 1024 \\
         --range-ratio 0.8 --ignore-eos --concurrency 16 32 64 --num-gpus 2
 
 Starts the disaggregated stack itself (``python -m serving``) unless
-``--base-url`` names a running server; with ``--compare-aggregated`` it also
-starts the aggregated server (``python -m serving.api``) and runs the same
-requests against it in the same invocation.  Prompts are random token ids.
-Lengths are drawn uniformly from ``[r*L, L]`` (sa-bench, the default) or
-``[(1-r)*L, (1+r)*L]`` (vLLM's ``--random-range-ratio``; ``--range-convention
-vllm``).  Each concurrency runs ``8 x C`` requests unless ``--num-prompts`` is
-given.  Writes ``<result-dir>/disagg.json`` and ``<result-dir>/disagg.png``.
+``--base-url`` names a running server; with ``--compare-aggregated`` it then
+starts the aggregated server (``python -m serving.api``) and sends it the same
+requests in the same invocation.  Flags the benchmark does not know go to the
+servers it starts (to both, so give engine flags only with
+``--compare-aggregated``).  For the tiny presets without engine flags the
+servers get small CPU limits (``CPU_ENGINE_FLAGS``): the servers' own CPU
+defaults pad every prefill step to 8 sequences, which makes a 64-token prompt
+cost about five times more than it must on a CPU.
+
+Requests are streamed completions of random token ids (``/v1/completions``,
+``stream_options.include_usage``), sent all at once under ``--max-concurrency
+C`` semantics: at most C in flight.  Lengths are drawn uniformly from
+``[int(r*L), L]`` (sa-bench, the default convention) or from
+``[floor((1-r)*L), ceil((1+r)*L)]`` (vLLM's ``--random-range-ratio``;
+``--range-convention vllm``); the default ratio gives fixed lengths in both.
+Each concurrency level C runs ``8 x C`` requests unless ``--num-prompts`` is
+given, after ``--num-warmups`` unmeasured ones.  Metrics are vLLM's: TTFT to
+the first chunk with choices, TPOT = (latency - TTFT) / (output tokens - 1)
+with latency at the last such chunk, ITL between chunks, output counts from
+``usage.completion_tokens``; "per GPU" divides the total token throughput by
+the devices serving (for a started stack: its prefill + decode workers).
+Writes ``<result-dir>/disagg.json`` (flat vLLM-style keys per run, with the
+per-request lengths) and ``<result-dir>/disagg.png`` (throughput per GPU and
+TTFT against concurrency).
 """
 
 from __future__ import annotations
@@ -20,6 +38,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import math
 import os
 import signal
 import subprocess
@@ -30,39 +49,61 @@ import httpx
 import numpy as np
 from tqdm.auto import tqdm
 
+# Small engine limits for a CPU: one 64-token prefill program per sequence bucket
+# (1 and 4 sequences), one 4-sequence decode program.
+CPU_ENGINE_FLAGS = ["--max-num-seqs", "4", "--max-num-batched-tokens", "64",
+                    "--max-model-len", "256", "--prefill-token-buckets", "64",
+                    "--prefill-seq-buckets", "1,4", "--decode-seq-buckets", "4"]
+_ENGINE_FLAGS = {"--max-num-seqs", "--max-num-batched-tokens", "--max-model-len",
+                 "--num-blocks", "--prefill-token-buckets", "--prefill-seq-buckets",
+                 "--decode-seq-buckets"}
+_TINY = {"tiny", "tiny-moe"}
+
+
+def length_bounds(length: int, ratio: float, convention: str) -> tuple[int, int]:
+    """Inclusive [lo, hi] of one length: sa-bench's ``randint(int(L*r), L+1)`` or
+    vLLM's ``[floor(L*(1-r)), ceil(L*(1+r))]``; never below 1 token."""
+    if convention == "sa":
+        if not 0.0 <= ratio <= 1.0:
+            raise ValueError(f"sa-bench range ratio must be in [0, 1], got {ratio}")
+        lo, hi = int(length * ratio), length
+    elif convention == "vllm":
+        if not 0.0 <= ratio < 1.0:
+            raise ValueError(f"vLLM range ratio must be in [0, 1), got {ratio}")
+        lo, hi = math.floor(length * (1 - ratio)), math.ceil(length * (1 + ratio))
+    else:
+        raise ValueError(f"unknown range convention {convention!r}")
+    return max(lo, 1), max(hi, 1)
+
+
+def dataset(n: int, input_len: int, output_len: int, ratio: float, convention: str,
+            vocab_size: int, seed) -> list[tuple[list[int], int]]:
+    """n (prompt token ids, max_tokens) pairs; ids avoid 0-2 (special in small vocabularies).
+    `seed`: anything `np.random.default_rng` takes (the runs use [seed, concurrency])."""
+    rng = np.random.default_rng(seed)
+    lo, hi = length_bounds(input_len, ratio, convention)
+    ins = rng.integers(lo, hi + 1, n)
+    lo, hi = length_bounds(output_len, ratio, convention)
+    outs = rng.integers(lo, hi + 1, n)
+    return [(rng.integers(3, vocab_size, int(i)).tolist(), int(o)) for i, o in zip(ins, outs)]
+
 
 @dataclasses.dataclass
 class Result:
-    ok: bool
     prompt_tokens: int
+    ok: bool = False
     output_tokens: int = 0
     ttft: float = 0.0
-    e2e: float = 0.0
+    latency: float = 0.0
     itl: list = dataclasses.field(default_factory=list)
     error: str = ""
 
 
-def lengths(rng, n: int, length: int, ratio: float, convention: str) -> np.ndarray:
-    if convention == "sa":
-        lo, hi = int(length * ratio), length
-    else:
-        lo, hi = int(length * (1 - ratio)), int(length * (1 + ratio))
-    return rng.integers(max(lo, 1), max(hi, 1) + 1, n)
-
-
-def dataset(n: int, args, vocab: int, seed: int) -> list[tuple[list[int], int]]:
-    rng = np.random.default_rng(seed)
-    ins = lengths(rng, n, args.input_len, args.range_ratio, args.range_convention)
-    outs = lengths(rng, n, args.output_len, args.range_ratio, args.range_convention)
-    return [(rng.integers(3, vocab, int(i)).tolist(), int(o)) for i, o in zip(ins, outs)]
-
-
-async def one(client: httpx.AsyncClient, url: str, model: str, prompt, max_tokens: int,
-              ignore_eos: bool) -> Result:
+async def one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int],
+              max_tokens: int, ignore_eos: bool) -> Result:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "ignore_eos": ignore_eos, "stream": True,
-            "stream_options": {"include_usage": True}}
-    res = Result(ok=False, prompt_tokens=len(prompt))
+            "ignore_eos": ignore_eos, "stream": True, "stream_options": {"include_usage": True}}
+    res = Result(prompt_tokens=len(prompt))
     start = last = time.perf_counter()
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
@@ -73,17 +114,21 @@ async def one(client: httpx.AsyncClient, url: str, model: str, prompt, max_token
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
-                if chunk.get("usage"):
-                    res.output_tokens = chunk["usage"]["completion_tokens"]
-                if chunk.get("choices") and chunk["choices"][0].get("text") is not None:
+                if chunk.get("error"):
+                    res.error = str(chunk["error"])[:200]
+                elif chunk.get("choices"):
                     now = time.perf_counter()
                     if res.ttft == 0.0:
                         res.ttft = now - start
                     else:
                         res.itl.append(now - last)
                     last = now
-        res.e2e = time.perf_counter() - start
-        res.ok = res.output_tokens > 0
+                elif chunk.get("usage"):
+                    res.output_tokens = chunk["usage"]["completion_tokens"]
+        res.latency = last - start
+        res.ok = not res.error and res.ttft > 0.0 and res.output_tokens > 0
+        if not res.ok and not res.error:
+            res.error = "stream ended without output or usage"
     except httpx.HTTPError as e:
         res.error = repr(e)
     return res
@@ -91,70 +136,101 @@ async def one(client: httpx.AsyncClient, url: str, model: str, prompt, max_token
 
 async def run_level(url: str, model: str, data, concurrency: int, ignore_eos: bool,
                     desc: str) -> tuple[list[Result], float]:
+    """All requests at once, at most `concurrency` in flight; (results in data order, seconds)."""
     sem = asyncio.Semaphore(concurrency)
-    bar = tqdm(total=len(data), desc=desc, leave=False)
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0, connect=30.0),
                                  limits=httpx.Limits(max_connections=None)) as client:
-        async def guarded(p, o):
-            async with sem:
-                r = await one(client, url, model, p, o, ignore_eos)
+        with tqdm(total=len(data), desc=desc, unit="req", disable=not desc) as bar:
+            async def guarded(prompt, max_tokens):
+                async with sem:
+                    r = await one(client, url, model, prompt, max_tokens, ignore_eos)
                 bar.update(1)
                 return r
 
-        t0 = time.perf_counter()
-        results = await asyncio.gather(*(guarded(p, o) for p, o in data))
-        duration = time.perf_counter() - t0
-    bar.close()
+            t0 = time.perf_counter()
+            results = await asyncio.gather(*(guarded(p, o) for p, o in data))
+            duration = time.perf_counter() - t0
     return results, duration
 
 
+def _stats(name: str, seconds: list[float]) -> dict:
+    xs = np.asarray(seconds, dtype=float) * 1e3
+    if not len(xs):
+        return {f"{s}_{name}_ms": float("nan") for s in ("mean", "median", "std", "p99")}
+    return {f"mean_{name}_ms": float(xs.mean()), f"median_{name}_ms": float(np.median(xs)),
+            f"std_{name}_ms": float(xs.std()), f"p99_{name}_ms": float(np.percentile(xs, 99))}
+
+
 def summarise(results: list[Result], duration: float, concurrency: int, num_gpus: int) -> dict:
+    """vLLM's `calculate_metrics` over the successful requests, plus throughput per GPU."""
     ok = [r for r in results if r.ok]
-    ms = lambda xs: ({"mean": float(np.mean(xs)) * 1e3, "median": float(np.median(xs)) * 1e3,  # noqa: E731
-                      "p99": float(np.percentile(xs, 99)) * 1e3} if len(xs) else
-                     {"mean": float("nan"), "median": float("nan"), "p99": float("nan")})
     tin = sum(r.prompt_tokens for r in ok)
     tout = sum(r.output_tokens for r in ok)
-    tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     return {
-        "concurrency": concurrency, "completed": len(ok), "failed": len(results) - len(ok),
+        "max_concurrency": concurrency, "num_gpus": num_gpus, "duration": duration,
+        "completed": len(ok), "failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if not r.ok})[:5],
-        "duration_s": duration, "total_input_tokens": tin, "total_output_tokens": tout,
+        "total_input_tokens": tin, "total_output_tokens": tout,
         "request_throughput": len(ok) / duration, "output_throughput": tout / duration,
         "total_token_throughput": (tin + tout) / duration,
         "total_token_throughput_per_gpu": (tin + tout) / duration / num_gpus,
-        "ttft_ms": ms([r.ttft for r in ok]), "tpot_ms": ms(tpot),
-        "itl_ms": ms([x for r in ok for x in r.itl]), "e2e_ms": ms([r.e2e for r in ok]),
+        **_stats("ttft", [r.ttft for r in ok]),
+        **_stats("tpot", [(r.latency - r.ttft) / (r.output_tokens - 1)
+                          for r in ok if r.output_tokens > 1]),
+        **_stats("itl", [x for r in ok for x in r.itl]),
+        **_stats("e2el", [r.latency for r in ok]),
+        "input_lens": [r.prompt_tokens for r in results],
+        "output_lens": [r.output_tokens for r in results],
     }
 
 
-def table(s: dict, mode: str) -> str:
-    rows = [
-        ("Successful requests:", s["completed"]), ("Failed requests:", s["failed"]),
-        ("Benchmark duration (s):", f"{s['duration_s']:.2f}"),
-        ("Total input tokens:", s["total_input_tokens"]),
-        ("Total generated tokens:", s["total_output_tokens"]),
-        ("Request throughput (req/s):", f"{s['request_throughput']:.2f}"),
-        ("Output token throughput (tok/s):", f"{s['output_throughput']:.2f}"),
-        ("Total Token throughput (tok/s):", f"{s['total_token_throughput']:.2f}"),
-        ("Total token throughput per GPU (tok/s):", f"{s['total_token_throughput_per_gpu']:.2f}"),
-    ]
-    title = f" {mode}, concurrency {s['concurrency']} "
-    out = [f"{title:=^60}"]
-    out += [f"{k:<45}{v:>15}" for k, v in rows]
-    for title, key in (("Time to First Token", "ttft_ms"),
-                       ("Time per Output Token (excl. 1st token)", "tpot_ms"),
-                       ("Inter-token Latency", "itl_ms")):
-        out.append(f"{title:-^60}")
-        short = key.split("_")[0].upper()
-        for stat in ("mean", "median", "p99"):
-            out.append(f"{stat.capitalize() + ' ' + short + ' (ms):':<45}{s[key][stat]:>15.2f}")
-    if s["errors"]:
-        out.append(f"errors: {s['errors']}")
-    return "\n".join(out + ["=" * 60])
+def table(s: dict) -> str:
+    """The result block of `vllm bench serve`, with the mode and per-GPU throughput added."""
+    line = "{:<40} {:<10}".format
+    out = ["{:=^50}".format(" Serving Benchmark Result "),
+           line("Mode:", s["mode"]),
+           line("Successful requests:", s["completed"]),
+           line("Failed requests:", s["failed"]),
+           line("Maximum request concurrency:", s["max_concurrency"]),
+           line("Benchmark duration (s):", f"{s['duration']:.2f}"),
+           line("Total input tokens:", s["total_input_tokens"]),
+           line("Total generated tokens:", s["total_output_tokens"]),
+           line("Request throughput (req/s):", f"{s['request_throughput']:.2f}"),
+           line("Output token throughput (tok/s):", f"{s['output_throughput']:.2f}"),
+           line("Total Token throughput (tok/s):", f"{s['total_token_throughput']:.2f}"),
+           line("Total token throughput per GPU (tok/s):",
+                f"{s['total_token_throughput_per_gpu']:.2f}")]
+    for title, key, short in (("Time to First Token", "ttft", "TTFT"),
+                              ("Time per Output Token (excl. 1st token)", "tpot", "TPOT"),
+                              ("Inter-token Latency", "itl", "ITL")):
+        out.append("{:-^50}".format(title))
+        for stat, label in (("mean", "Mean"), ("median", "Median"), ("p99", "P99")):
+            out.append(line(f"{label} {short} (ms):", f"{s[f'{stat}_{key}_ms']:.2f}"))
+    out += [f"errors: {e}" for e in s["errors"]]
+    return "\n".join(out + ["=" * 50])
+
+
+def summary(rows: list[dict]) -> str:
+    """One line per run: the sweep at a glance (Markdown)."""
+    head = ("| mode | C | ok/all | duration s | req/s | out tok/s | total tok/s | tok/s/GPU "
+            "| TTFT med/p99 ms | TPOT med/p99 ms | ITL med/p99 ms |")
+    out = [head, "|" + "---|" * (head.count("|") - 1)]
+    for s in rows:
+        out.append(
+            f"| {s['mode']} | {s['max_concurrency']} | {s['completed']}/"
+            f"{s['completed'] + s['failed']} | {s['duration']:.1f} | "
+            f"{s['request_throughput']:.2f} | {s['output_throughput']:.1f} | "
+            f"{s['total_token_throughput']:.1f} | {s['total_token_throughput_per_gpu']:.1f} | "
+            f"{s['median_ttft_ms']:.0f} / {s['p99_ttft_ms']:.0f} | "
+            f"{s['median_tpot_ms']:.1f} / {s['p99_tpot_ms']:.1f} | "
+            f"{s['median_itl_ms']:.1f} / {s['p99_itl_ms']:.1f} |")
+    return "\n".join(out)
 
 
 def start_server(cmd: list[str], url: str, timeout: float) -> subprocess.Popen:
+    """Start a server in its own session (so one signal reaches it and nothing else) and
+    wait for /health."""
+    print("starting:", " ".join(cmd), flush=True)
     proc = subprocess.Popen(cmd, start_new_session=True)
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -171,34 +247,45 @@ def start_server(cmd: list[str], url: str, timeout: float) -> subprocess.Popen:
 
 
 def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGINT)
+    """Ctrl-C, as a user would: the launcher then stops its workers.  uvicorn's first
+    SIGINT waits for open streams; a second one forces the exit; SIGKILL is the last
+    resort (it would leave the launcher's workers, which run in their own sessions)."""
+    for sig, wait in ((signal.SIGINT, 30), (signal.SIGINT, 30), (signal.SIGKILL, None)):
+        if proc.poll() is not None:
+            return
+        os.killpg(proc.pid, sig)
         try:
-            proc.wait(timeout=30)
+            proc.wait(timeout=wait)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            continue
 
 
 def served_model(url: str) -> tuple[str, int]:
-    """The served model's name, and a vocabulary bound for random prompts."""
-    model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]
-    return model["id"], int(model.get("vocab_size", 512))
+    """The served model's name and context length."""
+    card = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]
+    return card["id"], int(card["max_model_len"])
 
 
-def run_mode(mode: str, url: str, args, levels) -> list[dict]:
-    name, vocab = served_model(url)
-    vocab = min(vocab, args.vocab_limit) if args.vocab_limit else vocab
+def run_mode(mode: str, url: str, args, num_gpus: int) -> list[dict]:
+    name, max_model_len = served_model(url)
+    longest = (length_bounds(args.input_len, args.range_ratio, args.range_convention)[1]
+               + length_bounds(args.output_len, args.range_ratio, args.range_convention)[1])
+    if longest > max_model_len:
+        raise SystemExit(f"prompts of up to {longest} tokens with their outputs exceed the "
+                         f"server's max_model_len {max_model_len}")
+    if args.num_warmups:
+        warm = dataset(args.num_warmups, args.input_len, args.output_len, args.range_ratio,
+                       args.range_convention, args.vocab_size, seed=[args.seed, 0])
+        asyncio.run(run_level(url, name, warm, args.num_warmups, args.ignore_eos, ""))
     rows = []
-    for c in levels:
+    for c in args.concurrency:
         n = args.num_prompts or args.prompts_per_concurrency * c
-        data = dataset(n, args, vocab, seed=args.seed + c)
+        data = dataset(n, args.input_len, args.output_len, args.range_ratio,
+                       args.range_convention, args.vocab_size, seed=[args.seed, c])
         results, duration = asyncio.run(run_level(url, name, data, c, args.ignore_eos,
                                                   f"{mode} C={c}"))
-        s = summarise(results, duration, c, args.num_gpus if mode == "disaggregated"
-                      else args.aggregated_gpus)
-        s["mode"] = mode
-        print(table(s, mode), flush=True)
+        s = {"mode": mode, **summarise(results, duration, c, num_gpus)}
+        print(table(s), flush=True)
         rows.append(s)
     return rows
 
@@ -206,76 +293,106 @@ def run_mode(mode: str, url: str, args, levels) -> list[dict]:
 def plot(rows: list[dict], path: str) -> None:
     import matplotlib
 
-    matplotlib.use("Agg")
+    matplotlib.use("Agg")  # files only: no display on servers and CI
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    for mode in sorted({r["mode"] for r in rows}):
+    for i, mode in enumerate(dict.fromkeys(r["mode"] for r in rows)):
         rs = [r for r in rows if r["mode"] == mode]
-        c = [r["concurrency"] for r in rs]
-        a.plot(c, [r["total_token_throughput_per_gpu"] for r in rs], "o-", label=mode)
-        b.plot(c, [r["ttft_ms"]["median"] for r in rs], "o-", label=f"{mode} median")
-        b.plot(c, [r["ttft_ms"]["p99"] for r in rs], "x--", label=f"{mode} p99")
-    a.set(xlabel="concurrency", ylabel="total tokens/s per GPU", xscale="log", title="Throughput")
-    b.set(xlabel="concurrency", ylabel="TTFT (ms)", xscale="log", title="Time to first token")
+        c, color = [r["max_concurrency"] for r in rs], f"C{i}"
+        a.plot(c, [r["total_token_throughput_per_gpu"] for r in rs], "o-", color=color,
+               label=mode)
+        b.plot(c, [r["median_ttft_ms"] for r in rs], "o-", color=color, label=f"{mode} median")
+        b.plot(c, [r["p99_ttft_ms"] for r in rs], "x--", color=color, label=f"{mode} p99")
+    a.set(xlabel="concurrency", ylabel="total tokens/s per GPU", title="Throughput")
+    b.set(xlabel="concurrency", ylabel="TTFT (ms)", title="Time to first token")
+    levels = sorted({r["max_concurrency"] for r in rows})
     for ax in (a, b):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(levels, [str(c) for c in levels])
+        ax.minorticks_off()
         ax.grid(True, alpha=0.3)
         ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
-def main(argv=None):
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.disagg", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base-url", default=None, help="a running server; else one is started")
-    p.add_argument("--model", default="tiny", help="for the started stack: preset or checkpoint")
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=32)
-    p.add_argument("--range-ratio", type=float, default=1.0)
-    p.add_argument("--range-convention", choices=["sa", "vllm"], default="sa")
+    p.add_argument("--model", default="tiny", help="for started servers: preset or checkpoint")
+    p.add_argument("--input-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--range-ratio", type=float, default=None,
+                   help="default: fixed lengths (1.0 for sa, 0.0 for vllm)")
+    p.add_argument("--range-convention", choices=["sa", "vllm"], default="sa",
+                   help="sa: [int(r*L), L] (sa-bench); vllm: [floor((1-r)L), ceil((1+r)L)]")
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
-    p.add_argument("--num-prompts", type=int, default=None)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="per concurrency level; default: --prompts-per-concurrency x C")
     p.add_argument("--prompts-per-concurrency", type=int, default=8)
+    p.add_argument("--num-warmups", type=int, default=1,
+                   help="unmeasured requests before each server's sweep")
     p.add_argument("--num-gpus", type=int, default=None,
-                   help="devices the disaggregated stack uses (default: its worker count)")
+                   help="devices of the disaggregated server (default: a started stack's "
+                        "prefill + decode workers; 1 with --base-url)")
     p.add_argument("--aggregated-gpus", type=int, default=1)
     p.add_argument("--compare-aggregated", action="store_true")
-    p.add_argument("--vocab-limit", type=int, default=None)
+    p.add_argument("--vocab-size", type=int, default=512,
+                   help="prompt token ids are drawn from [3, this); 512 fits every model")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--port", type=int, default=8300)
+    p.add_argument("--port", type=int, default=8300, help="of started servers (and port + 1)")
     p.add_argument("--startup-timeout", type=float, default=900)
     p.add_argument("--result-dir", default="out")
-    args, server_flags = p.parse_known_args(argv)
-    args.num_gpus = args.num_gpus or 2
+    return p
+
+
+def main(argv=None) -> None:
+    args, server_flags = parser().parse_known_args(argv)
+    if args.range_ratio is None:
+        args.range_ratio = 1.0 if args.range_convention == "sa" else 0.0
+    if args.model in _TINY and not _ENGINE_FLAGS & {f.split("=")[0] for f in server_flags}:
+        server_flags = CPU_ENGINE_FLAGS + server_flags
+    if not any(f.split("=")[0] == "--log-level" for f in server_flags):
+        server_flags = server_flags + ["--log-level", "warning"]  # keep the progress bars legible
     os.makedirs(args.result_dir, exist_ok=True)
-    rows = []
-    procs = []
+    # `timeout` and job control send SIGTERM: unwind through the finally below, so the
+    # started servers (in their own sessions) are stopped too.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    rows, procs = [], []
     try:
         if args.base_url:
-            url = args.base_url.rstrip("/")
+            url, num_gpus = args.base_url.rstrip("/"), args.num_gpus or 1
         else:
+            from serving.__main__ import parser as stack_parser
+
+            stack, _ = stack_parser().parse_known_args(["--model", args.model, *server_flags])
+            num_gpus = args.num_gpus or stack.prefill_workers + stack.decode_workers
             url = f"http://127.0.0.1:{args.port}"
             procs.append(start_server([sys.executable, "-m", "serving", "--model", args.model,
                                        "--port", str(args.port), *server_flags], url,
                                       args.startup_timeout))
-        rows += run_mode("disaggregated", url, args, args.concurrency)
+        rows += run_mode("disaggregated", url, args, num_gpus)
         if procs:
             stop_server(procs.pop())
         if args.compare_aggregated:
             agg = f"http://127.0.0.1:{args.port + 1}"
-            procs.append(start_server([sys.executable, "-m", "serving.api", "--model", args.model,
-                                       "--port", str(args.port + 1), *server_flags], agg,
-                                      args.startup_timeout))
-            rows += run_mode("aggregated", agg, args, args.concurrency)
+            procs.append(start_server([sys.executable, "-m", "serving.api", "--model",
+                                       args.model, "--port", str(args.port + 1),
+                                       *server_flags], agg, args.startup_timeout))
+            rows += run_mode("aggregated", agg, args, args.aggregated_gpus)
     finally:
         for proc in procs:
             stop_server(proc)
     with open(os.path.join(args.result_dir, "disagg.json"), "w") as f:
-        json.dump({"args": vars(args), "results": rows}, f, indent=1)
+        json.dump({"args": vars(args), "server_flags": server_flags, "results": rows}, f,
+                  indent=1)
     plot(rows, os.path.join(args.result_dir, "disagg.png"))
-    print(f"wrote {args.result_dir}/disagg.json and disagg.png")
+    print(summary(rows))
+    print(f"wrote {args.result_dir}/disagg.json and {args.result_dir}/disagg.png", flush=True)
 
 
 if __name__ == "__main__":

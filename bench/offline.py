@@ -54,6 +54,8 @@ def parse_args(argv=None):
                         "(overrides the three above)")
     p.add_argument("--range-ratio", type=float, default=0.0,
                    help="lengths drawn uniformly in [len*(1-r), len*(1+r)]")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
+                   help="weights and activations (default: bfloat16 on GPU, float32 on CPU)")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None, help="default: input+output lengths")
@@ -340,7 +342,7 @@ def main(argv=None):
                           a.prefill_seq_buckets or d.prefill_seqs,
                           a.decode_seq_buckets or d.decode_seqs)
     t0 = time.perf_counter()
-    llm = LLM(a.preset, seed=a.seed, max_num_seqs=a.max_num_seqs,
+    llm = LLM(a.preset, seed=a.seed, dtype=a.dtype, max_num_seqs=a.max_num_seqs,
               max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=max_model_len,
               block_size=a.block_size, num_blocks=a.num_blocks,
               memory_utilization=a.memory_utilization, async_scheduling=not a.no_async,

@@ -1,0 +1,139 @@
+"""`python -m bench.disagg`: the request-length conventions, and one real run that starts
+the disaggregated stack and the aggregated server, sends both the same requests, and
+writes the table, the JSON and the plot."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import psutil
+import pytest
+
+from bench.disagg import dataset, length_bounds
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("length, ratio, convention, bounds", [
+    (8192, 0.8, "sa", (6553, 8192)),    # sa-bench: randint(int(L*r), L+1)
+    (1024, 0.8, "sa", (819, 1024)),     # the article's output lengths
+    (64, 1.0, "sa", (64, 64)),          # the default: fixed
+    (10, 0.0, "sa", (1, 10)),           # never below one token
+    (128, 0.5, "vllm", (64, 192)),      # vLLM: [floor(L(1-r)), ceil(L(1+r))]
+    (10, 0.25, "vllm", (7, 13)),        # floor(7.5), ceil(12.5)
+    (64, 0.0, "vllm", (64, 64)),        # vLLM's default: fixed
+    (1, 0.9, "vllm", (1, 2)),
+])
+def test_length_bounds(length, ratio, convention, bounds):
+    assert length_bounds(length, ratio, convention) == bounds
+
+
+@pytest.mark.parametrize("ratio, convention", [(1.5, "sa"), (-0.1, "sa"), (1.0, "vllm"),
+                                               (0.5, "other")])
+def test_length_bounds_refuses(ratio, convention):
+    with pytest.raises(ValueError):
+        length_bounds(100, ratio, convention)
+
+
+@pytest.mark.parametrize("convention, ratio", [("sa", 0.8), ("vllm", 0.5)])
+def test_dataset_draws_uniformly_within_the_bounds(convention, ratio):
+    data = dataset(4000, 40, 20, ratio, convention, vocab_size=100, seed=[0, 1])
+    ins = np.array([len(p) for p, _ in data])
+    outs = np.array([o for _, o in data])
+    for lens, length in ((ins, 40), (outs, 20)):
+        lo, hi = length_bounds(length, ratio, convention)
+        assert lens.min() == lo and lens.max() == hi  # both ends are drawn
+        assert abs(lens.mean() - (lo + hi) / 2) < 0.05 * (hi - lo + 1)
+    ids = np.concatenate([p for p, _ in data])
+    assert ids.min() == 3 and ids.max() == 99
+    assert data == dataset(4000, 40, 20, ratio, convention, vocab_size=100, seed=[0, 1])
+
+
+def _free_port_pair() -> int:
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+                return port
+            except OSError:
+                continue
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    port = _free_port_pair()
+    args = ["--input-len", "64", "--output-len", "8", "--range-ratio", "0.5", "--ignore-eos",
+            "--concurrency", "1", "3", "--num-prompts", "4", "--compare-aggregated",
+            "--port", str(port), "--result-dir", str(out), "--startup-timeout", "600"]
+    proc = subprocess.run([sys.executable, "-m", "bench.disagg", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(out / "disagg.json") as f:
+        return proc.stdout, json.load(f), out, port
+
+
+def test_every_request_succeeds_with_the_requested_lengths(run):
+    _, result, _, _ = run
+    rows = result["results"]
+    assert [(r["mode"], r["max_concurrency"]) for r in rows] == [
+        ("disaggregated", 1), ("disaggregated", 3), ("aggregated", 1), ("aggregated", 3)]
+    for r in rows:
+        data = dataset(4, 64, 8, 0.5, "sa", 512, seed=[0, r["max_concurrency"]])
+        assert r["completed"] == 4 and r["failed"] == 0 and r["errors"] == []
+        assert r["input_lens"] == [len(p) for p, _ in data]
+        assert r["output_lens"] == [o for _, o in data]  # --ignore-eos: exactly max_tokens
+        assert r["total_input_tokens"] == sum(r["input_lens"])
+        assert r["total_output_tokens"] == sum(r["output_lens"])
+
+
+def test_json_fields_are_consistent(run):
+    _, result, _, _ = run
+    assert result["args"]["range_convention"] == "sa" and result["args"]["ignore_eos"]
+    for r in result["results"]:
+        d = r["duration"]
+        assert r["num_gpus"] == (2 if r["mode"] == "disaggregated" else 1)
+        assert math.isclose(r["request_throughput"] * d, r["completed"])
+        assert math.isclose(r["output_throughput"] * d, r["total_output_tokens"])
+        assert math.isclose(r["total_token_throughput"] * d,
+                            r["total_input_tokens"] + r["total_output_tokens"])
+        assert math.isclose(r["total_token_throughput_per_gpu"] * r["num_gpus"],
+                            r["total_token_throughput"])
+        for metric in ("ttft", "tpot", "itl", "e2el"):
+            values = [r[f"{s}_{metric}_ms"] for s in ("mean", "median", "std", "p99")]
+            assert all(math.isfinite(v) and v >= 0 for v in values), (metric, values)
+            assert r[f"median_{metric}_ms"] <= r[f"p99_{metric}_ms"]
+        assert r["median_ttft_ms"] <= r["median_e2el_ms"]
+
+
+def test_prints_vllm_bench_serve_table_and_writes_the_plot(run):
+    stdout, result, out, _ = run
+    assert stdout.count("============ Serving Benchmark Result ============") == 4
+    for label in ("Successful requests:", "Benchmark duration (s):", "Total input tokens:",
+                  "Total generated tokens:", "Request throughput (req/s):",
+                  "Output token throughput (tok/s):", "Total Token throughput (tok/s):",
+                  "Total token throughput per GPU (tok/s):", "Mean TTFT (ms):",
+                  "Median TTFT (ms):", "P99 TTFT (ms):", "Mean TPOT (ms):", "Median TPOT (ms):",
+                  "P99 TPOT (ms):", "Mean ITL (ms):", "Median ITL (ms):", "P99 ITL (ms):"):
+        assert stdout.count(label) == 4, label
+    first = result["results"][0]
+    assert f"{'Total generated tokens:':<40} {first['total_output_tokens']:<10}" in stdout
+    with open(out / "disagg.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_started_servers_are_stopped(run):
+    _, _, _, port = run
+    left = [p.info["cmdline"] for p in psutil.process_iter(["cmdline"])
+            if p.info["cmdline"] and any(a in (str(port), str(port + 1))
+                                         for a in p.info["cmdline"])]
+    assert left == []
