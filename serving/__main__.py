@@ -27,6 +27,7 @@ import httpx
 from serving.api.server import parser as server_parser
 
 log = logging.getLogger("serving")
+GRACE_SECONDS = 5  # uvicorn waits this long for open streams on shutdown
 
 
 def free_port() -> int:
@@ -115,6 +116,7 @@ def main(argv=None) -> None:
     args, _ = parser().parse_known_args(argv)  # the rest are worker flags (see serving.worker)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s router %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per worker poll otherwise
     model = args.model or args.model_tag
     if not model:
         raise SystemExit("give a model: a checkpoint directory or a preset name")
@@ -129,7 +131,10 @@ def main(argv=None) -> None:
         app = build_app(router, tokenizer, args.served_model_name or model)
         log.info("serving %s on http://%s:%d (prefill %s, decode %s)", model, args.host,
                  args.port, prefill, decode)
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        # Open streams must not hold a Ctrl-C or SIGTERM hostage: after the grace period
+        # uvicorn closes them, and their requests are aborted.
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
+                    timeout_graceful_shutdown=GRACE_SECONDS)
     except KeyboardInterrupt:
         pass
     finally:

@@ -74,11 +74,18 @@ def test_completion_and_chat_through_the_router(server):
     assert samples["vllm:num_requests_running"] == 0
 
 
-def test_ctrl_c_stops_every_process(server):
+def test_sigterm_with_a_stream_open_stops_every_process(server):
+    """SIGTERM to the launcher alone, while a client is mid-stream: the router closes the
+    stream after its grace period and stops both workers."""
     proc, url = server
     children = psutil.Process(proc.pid).children(recursive=True)
     assert len([c for c in children if "serving.worker" in " ".join(c.cmdline())]) == 2
-    os.killpg(proc.pid, signal.SIGINT)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    stream = client.completions.create(model="tiny", prompt="hello", max_tokens=200,
+                                       temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    next(iter(stream))  # the request is running
+    proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=60)
     gone, alive = psutil.wait_procs(children, timeout=30)
     assert not alive, [c.cmdline() for c in alive]
