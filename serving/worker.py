@@ -73,6 +73,10 @@ class Worker:
         self.transfer = TransferManager(self.agent, self.compat, host=host, port=transfer_port,
                                         lease_ttl=lease_ttl, faults=faults)
         self._pulls: dict[int, str] = {}  # pull id -> request id (engine thread only)
+        self._started: set[int] = set()  # pulls whose request decodes before the ack
+        # request id -> (future, its loop), resolved when the transfer is acked or fails
+        # (see `decode`)
+        self._confirmations: dict[str, tuple[asyncio.Future, asyncio.AbstractEventLoop]] = {}
         self.counters = {"transfers": 0, "transfer_bytes": 0, "transfer_seconds": 0.0,
                          "transfer_descriptors": 0, "transfer_failures": 0, "leases_expired": 0}
         self.engine = AsyncEngine(engine, tick=self._tick)
@@ -124,11 +128,38 @@ class Worker:
 
     async def decode(self, request_id: str, prompt: list[int], first_token: int,
                      params: SamplingParams, transfer: dict):
-        """Pull the prompt's cache, then stream the engine's outputs."""
-        return await self.engine.add(
-            request_id, prompt, params,
-            submit=lambda eng: self._start_pull(eng, request_id, prompt, first_token, params,
-                                                transfer))
+        """Pull the prompt's cache, then decode. Returns the engine's output stream and a
+        future that the caller must await before sending any output: it resolves once
+        the source has acked the transfer, or raises TransferFailed.
+
+        Decoding starts as soon as the READ has landed, one ack round trip before the
+        ack; the outputs wait on the future, so none computed from bytes the source had
+        already reused (a "stale" ack) ever leave the worker."""
+        loop = asyncio.get_running_loop()
+        confirmed = loop.create_future()
+        self._confirmations[request_id] = (confirmed, loop)
+        try:
+            stream = await self.engine.add(
+                request_id, prompt, params,
+                submit=lambda eng: self._start_pull(eng, request_id, prompt, first_token, params,
+                                                    transfer))
+        except BaseException:
+            self._confirmations.pop(request_id, None)
+            raise
+        return stream, confirmed
+
+    def _confirm(self, request_id: str, error: BaseException | None = None) -> None:
+        """Resolve the request's confirmation (engine thread); every pull ends here."""
+        entry = self._confirmations.pop(request_id, None)
+        if entry is None:
+            return
+        future, loop = entry
+
+        def resolve():
+            if not future.done():
+                future.set_result(None) if error is None else future.set_exception(error)
+
+        loop.call_soon_threadsafe(resolve)
 
     def _start_pull(self, eng, request_id, prompt, first_token, params, transfer) -> None:
         reserved = eng.add_remote_request(prompt, first_token, params, request_id)
@@ -146,8 +177,16 @@ class Worker:
 
     def _tick(self, eng) -> bool:
         """Engine-thread housekeeping between steps; True while transfers are pending."""
-        for c in self.transfer.poll():
+        completions = self.transfer.poll()
+        if not self.recompute:  # (a recompute must not follow tokens already computed)
+            for pull_id in self.transfer.landed():
+                if pull_id in self._pulls:
+                    eng.finish_transfer(self._pulls[pull_id], ok=True)  # decode may start
+                    self._started.add(pull_id)
+        for c in completions:
             request_id = self._pulls.pop(c.pull_id, None)
+            started = c.pull_id in self._started
+            self._started.discard(c.pull_id)
             if request_id is None:
                 continue
             if c.ok:
@@ -155,15 +194,23 @@ class Worker:
                 self.counters["transfer_bytes"] += c.nbytes
                 self.counters["transfer_seconds"] += c.seconds
                 self.counters["transfer_descriptors"] += c.descriptors
-                eng.finish_transfer(request_id, ok=True)
+                if not started:
+                    eng.finish_transfer(request_id, ok=True)
+                self._confirm(request_id)
                 continue
             self.counters["transfer_failures"] += 1
             log.error("transfer for %s failed: %s", request_id, c.error)
             if self.recompute:
                 eng.finish_transfer(request_id, ok=False)
+                self._confirm(request_id)
             else:
-                self.engine.fail(request_id, TransferFailed(f"KV/state transfer failed ({c.error})"))
-                eng.finish_transfer(request_id, ok=True)
+                error = TransferFailed(f"KV/state transfer failed ({c.error})")
+                self.engine.fail(request_id, error)
+                if started:
+                    eng.abort(request_id)
+                else:
+                    eng.finish_transfer(request_id, ok=True)
+                self._confirm(request_id, error)
         return bool(self._pulls) or self.transfer.leases > 0
 
     # ---- status -------------------------------------------------------------------------
@@ -266,12 +313,13 @@ def build_app(worker: Worker, *, fault_injection: bool = False) -> FastAPI:
     else:
         @app.post("/decode")
         async def decode(body: dict, request: Request):
-            stream = await worker.decode(
+            stream, confirmed = await worker.decode(
                 str(body["request_id"]), list(body["prompt_token_ids"]), int(body["first_token"]),
                 _params(body.get("params", {})), body["transfer"])
 
             async def lines():
                 try:
+                    await confirmed
                     async for out in stream:
                         yield json.dumps(output_json(out)) + "\n"
                 except (TransferFailed, EngineDead) as e:
@@ -298,6 +346,9 @@ def main(argv=None):
     p.add_argument("--enable-fault-injection", action="store_true",
                    help="expose POST /debug/faults (tests only)")
     a = p.parse_args(argv)
+    if a.ep * a.tp > 1:  # the registered regions are single-device arrays (kv_transfer.py)
+        p.error("--ep/--tp > 1 need per-shard transfer regions, which workers do not register "
+                "yet; a sharded engine runs aggregated: python -m serving.api --ep/--tp")
     logging.basicConfig(level=a.log_level.upper(),
                         format=f"%(asctime)s {a.role} %(levelname)s %(name)s: %(message)s")
     name = a.model or a.model_tag

@@ -262,3 +262,22 @@ def test_unpin_frees_at_once(source):
 def test_agent_refuses_bad_region_sets(regions, message):
     with pytest.raises(ValueError, match=message):
         Agent(regions)
+
+
+def test_landed_reports_bytes_in_place_but_only_the_ack_makes_a_pull_ok(source, puller):
+    puller.landed()  # drain what earlier tests left
+    params = source.pin(blocks([4]))
+    good = puller.pull(params, blocks([4]))
+    done = drive(source, puller, until=lambda d: good in d)
+    assert done[good].ok and puller.landed() == [good]
+
+    expired = source.pin(blocks([5]), ttl=0.05)
+    drive(source, until=lambda d: source.leases == 0)
+    stale = puller.pull(expired, blocks([5]))
+    c = drive(source, puller, until=lambda d: stale in d)[stale]
+    assert puller.landed() == [stale] and c.error.kind == "stale"  # landed, yet refused
+
+    puller.faults.hang_next = 1
+    hung = puller.pull(source.pin(blocks([6])), blocks([6]), timeout=0.5)
+    c = drive(source, puller, until=lambda d: hung in d)[hung]
+    assert c.error.kind == "timeout" and puller.landed() == []

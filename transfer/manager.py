@@ -12,6 +12,8 @@ Puller side (decode)::
     pull_id = mgr.pull(params, local_items, timeout=10.0)
     for c in mgr.poll(): ...                     # Completion: ok, or error.kind
                                                  # "error" | "timeout" | "peer_gone" | "stale"
+    mgr.landed()                                 # pulls whose bytes are in place, ack pending:
+                                                 # usable, but nothing derived may escape yet
 
 Messages ride on NIXL notifications (UCX active messages), so no second channel is needed
 once the handshake is done:
@@ -166,6 +168,7 @@ class TransferManager:
         self._pulls: dict[int, _Pull] = {}
         self._zombies: list = []  # handles NIXL would not release yet
         self._done: list[Completion] = []  # completed but not yet returned by poll()
+        self._landed: list[int] = []  # pulls whose READ finished, not yet returned by landed()
         self._server = HandshakeServer(self._hello, self._incoming.put, host, port)
 
     # ---- peers ---------------------------------------------------------------------------
@@ -292,6 +295,7 @@ class TransferManager:
         if p.plan.count == 0:  # nothing to read (say, a full prefix hit): just tell the source
             self._send(p.peer, msg.decode())
             p.read_done = True
+            self._landed.append(p.id)
             return
         peer_mem = next(iter(self._peers[p.peer].regions.values())).mem_type  # one type per agent
         if self.faults.lose_notif_next > 0:
@@ -312,6 +316,7 @@ class TransferManager:
         if state == "DONE":
             self.agent.release(p.handle)
             p.handle, p.read_done = None, True
+            self._landed.append(p.id)
             p.marks["read"] = time.monotonic()
             p.next_done = p.marks["read"] + RESEND
             self._maybe_complete(p)
@@ -385,6 +390,16 @@ class TransferManager:
         self._zombies = [h for h in self._zombies if not self.agent.release(h)]
         done, self._done = self._done, []
         return done
+
+    def landed(self) -> list[int]:
+        """Pulls whose READ has finished since the last call (the bytes are in place).
+
+        The pull is not complete until the source acks: a puller may start using the bytes
+        now but must not let anything derived from them escape before ``poll()`` reports
+        the pull ok, since a "stale" ack means the source reused them during the READ.
+        """
+        out, self._landed = self._landed, []
+        return out
 
     def wait(self, pull_ids: Iterable[int], timeout: float) -> dict[int, Completion]:
         """Poll until all ``pull_ids`` complete or ``timeout`` passes; others stay for poll()."""
