@@ -41,6 +41,7 @@ import numpy as np  # noqa: E402
 
 from qwen35_jax.cache import HybridCache  # noqa: E402
 from qwen35_jax.config import get_preset  # noqa: E402
+from serving.kv_transfer import CacheLayout  # noqa: E402
 from transfer import Agent, TransferManager, allocate  # noqa: E402
 
 
@@ -105,9 +106,9 @@ def source_main(args, conn):
 
 
 def request_items(args, tokens, local_blocks, rows):
-    blocks = math.ceil(tokens / args.block_size)
-    kv = [("kv", b * rows["kv"][1], rows["kv"][1]) for b in local_blocks[:blocks]]
-    return kv + [("conv", 0, rows["conv"][1]), ("ssm", 0, rows["ssm"][1])]
+    """What the workers pin and pull for such a request (consecutive blocks merged)."""
+    layout = CacheLayout(rows["kv"][1], rows["conv"][1], rows["ssm"][1], args.block_size)
+    return layout.items(local_blocks, 0, tokens)
 
 
 def check(arrays, args, tokens, local_blocks) -> bool:

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 from tqdm.auto import tqdm
 
+from qwen35_jax import sharding
 from qwen35_jax.config import Qwen35Config
 from qwen35_jax.model import Qwen35ForCausalLM
 
@@ -142,15 +143,23 @@ _write = jax.jit(lambda leaf, value, index: jax.lax.dynamic_update_slice(
     leaf, value.astype(leaf.dtype), index), donate_argnums=0)
 
 
+def _zeros(shape, dtype, out_sharding):
+    """A zero parameter, created directly in its sharded layout when one is given."""
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=out_sharding)()
+
+
 def abstract_model(cfg: Qwen35Config, dtype=jnp.bfloat16) -> Qwen35ForCausalLM:
     """The model with shapes only (no memory): for compile-only work and as a load target."""
     return nnx.eval_shape(lambda: Qwen35ForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=dtype))
 
 
 def from_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, *,
-                    config: Qwen35Config | None = None, progress: bool = True
+                    config: Qwen35Config | None = None, progress: bool = True, mesh=None
                     ) -> Qwen35ForCausalLM:
     """Load a Hugging Face Qwen3.5 checkpoint directory (dense or MoE, sharded or not).
+
+    With ``mesh``, every parameter is allocated with its ``qwen35_jax.sharding`` layout
+    before the tensors stream in, so no device ever holds a whole split weight.
 
     Raises CheckpointError on a missing shard or tensor, a shape mismatch, an
     unexpected tensor, or a quantised (FP8/int) checkpoint, and ConfigError on a
@@ -162,7 +171,11 @@ def from_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, *,
     cfg = config or Qwen35Config.from_json(path)
     graphdef, abstract = nnx.split(abstract_model(cfg, dtype))
     flat = {".".join(map(str, k)): v for k, v in nnx.to_flat_state(abstract)}
-    leaves = {k: jnp.zeros(v.shape, v.dtype) for k, v in flat.items()}
+    shardings = None if mesh is None else dict(nnx.to_flat_state(
+        sharding.param_shardings(cfg, abstract, mesh)))
+    leaves = {k: _zeros(v.shape, v.dtype, None if shardings is None else
+                        shardings[tuple(_key(p) for p in k.split("."))])
+              for k, v in flat.items()}
     filled: dict[str, set] = {k: set() for k in flat}
     expected = {k: _coverage(cfg, k) for k in flat}
 
@@ -241,10 +254,14 @@ def _coverage(cfg: Qwen35Config, path: str) -> set:
     return {()}
 
 
-def init_random(cfg: Qwen35Config, seed: int = 0, dtype=jnp.bfloat16) -> Qwen35ForCausalLM:
-    """Random weights created directly on device (one jitted program), for benchmarks."""
-    graphdef, _ = nnx.split(abstract_model(cfg, dtype))
-    state = jax.jit(lambda: nnx.state(Qwen35ForCausalLM(cfg, rngs=nnx.Rngs(seed), dtype=dtype)))()
+def init_random(cfg: Qwen35Config, seed: int = 0, dtype=jnp.bfloat16, *, mesh=None
+                ) -> Qwen35ForCausalLM:
+    """Random weights created directly on device (one jitted program), for benchmarks;
+    with ``mesh``, created in their sharded layout (the same values as without)."""
+    graphdef, abstract = nnx.split(abstract_model(cfg, dtype))
+    out = None if mesh is None else sharding.param_shardings(cfg, abstract, mesh)
+    state = jax.jit(lambda: nnx.state(Qwen35ForCausalLM(cfg, rngs=nnx.Rngs(seed), dtype=dtype)),
+                    out_shardings=out)()
     return nnx.merge(graphdef, state)
 
 

@@ -8,7 +8,9 @@
 
 Prompts are token-id lists; strings are accepted when a tokenizer is given
 (or found in the checkpoint directory). Keyword arguments are EngineConfig
-fields (max_num_seqs, max_num_batched_tokens, max_model_len, num_blocks, ...).
+fields (max_num_seqs, max_num_batched_tokens, max_model_len, num_blocks, ...);
+`ep`/`tp` place the weights and the cache on a mesh of ep*tp devices
+(`LLM("tiny-moe", ep=2, tp=2)`).
 """
 
 import os
@@ -20,15 +22,17 @@ from serving.engine import Engine, EngineConfig, RequestOutput, SamplingParams
 from serving.engine.capacity import allocate_cache, plan_capacity
 
 
-def load_model(model, dtype, seed):
-    """A model object as given, a checkpoint directory, or a preset name (random weights)."""
+def load_model(model, dtype, seed, mesh=None):
+    """A model object as given (placed on ``mesh`` if one is given), a checkpoint
+    directory, or a preset name (random weights), loaded straight into ``mesh``'s layout."""
     import qwen35_jax
+    from qwen35_jax.sharding import shard_model
 
     if not isinstance(model, str):
-        return model
+        return model if mesh is None else shard_model(model, mesh)
     if os.path.isdir(model):
-        return qwen35_jax.from_pretrained(model, dtype=dtype)
-    return qwen35_jax.init_random(qwen35_jax.get_preset(model), seed=seed, dtype=dtype)
+        return qwen35_jax.from_pretrained(model, dtype=dtype, mesh=mesh)
+    return qwen35_jax.init_random(qwen35_jax.get_preset(model), seed=seed, dtype=dtype, mesh=mesh)
 
 
 def _load_tokenizer(tokenizer, model):
@@ -45,14 +49,16 @@ class LLM:
     def __init__(self, model, *, tokenizer=None, dtype=None, seed: int = 0, **engine_kwargs):
         if dtype is None:  # bf16 on accelerators; float32 on CPU, where bf16 is slow
             dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
-        self.model = load_model(model, dtype, seed)
-        self.tokenizer = _load_tokenizer(tokenizer, model)
-        cfg = self.model.config
-        engine_kwargs.setdefault("eos_token_ids", tuple(cfg.eos_token_ids))
         engine_kwargs.setdefault("seed", seed)
         config = EngineConfig(**engine_kwargs)
-        self.cache_report = plan_capacity(cfg, config, dtype)
-        cache = allocate_cache(cfg, config, dtype)
+        mesh = config.mesh()
+        self.model = load_model(model, dtype, seed, mesh)
+        self.tokenizer = _load_tokenizer(tokenizer, model)
+        cfg = self.model.config
+        if "eos_token_ids" not in engine_kwargs:
+            config.eos_token_ids = tuple(cfg.eos_token_ids)
+        self.cache_report = plan_capacity(cfg, config, dtype, mesh=mesh)
+        cache = allocate_cache(cfg, config, dtype, mesh)
         self.engine = Engine(self.model, cache, config, tokenizer=self.tokenizer)
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None

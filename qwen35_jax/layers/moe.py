@@ -4,6 +4,14 @@ expert scaled by a sigmoid gate.
 Experts run as two grouped matmuls over the token copies sorted by expert
 (never a Python loop over experts), so the work is proportional to the routed
 tokens and the program does not grow with the expert count.
+
+Expert parallelism: when the step is traced under a mesh whose expert axes
+(``qwen35_jax.sharding.expert_axes``) hold more than one device, the experts run
+inside ``shard_map``: each device holds ``E / n`` experts, takes every token of
+its data shard, computes the copies routed to its own experts (the others sort
+past its groups and are masked) and a ``psum`` over the expert axes adds the
+partial outputs.  Routing stays outside, so every shard sees the same top-k.  The
+single-device path is the same function with all experts local.
 """
 
 from __future__ import annotations
@@ -11,9 +19,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.grouped_matmul import grouped_matmul
 from qwen35_jax.layers.mlp import MLP, linear
+from qwen35_jax.sharding import DATA, axis_size, expert_axes
 
 
 class MoE(nnx.Module):
@@ -37,16 +47,51 @@ class MoE(nnx.Module):
         return experts, weights.astype(logits.dtype)
 
     def __call__(self, x):
-        t, d = x.shape
         experts, weights = self.route(x)
-        flat = experts.reshape(-1)
-        order = jnp.argsort(flat, stable=True)
-        token_of = order // self.top_k
-        group_sizes = jnp.bincount(flat, length=self.num_experts).astype(jnp.int32)
-        gate_up = grouped_matmul(x[token_of], self.experts_gate_up[...], group_sizes)
-        act = jax.nn.silu(gate_up[:, :self.inter]) * gate_up[:, self.inter:]
-        out = grouped_matmul(act, self.experts_down[...], group_sizes)
-        out = out * weights.reshape(-1)[order][:, None]
-        routed = jnp.zeros((t, d), jnp.float32).at[token_of].add(out.astype(jnp.float32))
+        w_gate_up, w_down = self.experts_gate_up[...], self.experts_down[...]
+        mesh = jax.sharding.get_abstract_mesh()
+        axes = () if mesh.empty else expert_axes(mesh, self.num_experts)
+        if axis_size(mesh, axes) > 1:
+            routed = _expert_parallel(mesh, axes, x, experts, weights, w_gate_up, w_down)
+        else:
+            routed = _local_experts(x, experts, weights, w_gate_up, w_down, 0)
         shared = jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return (routed + shared.astype(jnp.float32)).astype(x.dtype)
+
+
+def _local_experts(x, experts, weights, w_gate_up, w_down, first):
+    """Float32 [T, D] sum of the routed copies that go to experts ``first ..
+    first + len(w_gate_up) - 1`` (the weights held here); other copies contribute 0."""
+    t, d = x.shape
+    n_local, inter = w_down.shape[0], w_down.shape[1]
+    top_k = experts.shape[1]
+    local = experts.reshape(-1) - first
+    mine = (local >= 0) & (local < n_local)
+    key = jnp.where(mine, local, n_local)  # foreign copies sort after every local group
+    order = jnp.argsort(key, stable=True)
+    token_of = order // top_k
+    group_sizes = jnp.bincount(key, length=n_local + 1)[:n_local].astype(jnp.int32)
+    gate_up = grouped_matmul(x[token_of], w_gate_up, group_sizes)
+    act = jax.nn.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    out = grouped_matmul(act, w_down, group_sizes)
+    out = jnp.where(mine[order][:, None], out * weights.reshape(-1)[order][:, None], 0)
+    return jnp.zeros((t, d), jnp.float32).at[token_of].add(out.astype(jnp.float32))
+
+
+def _expert_parallel(mesh, axes, x, experts, weights, w_gate_up, w_down):
+    """``_local_experts`` on each expert shard, summed over the expert axes.
+
+    Tokens stay split along ``data`` (each data shard routes its own tokens) and are
+    replicated over the expert axes, so no token moves before the matmuls; the one
+    collective is the psum of the [T, D] partial outputs (a reduce-scatter + all-gather
+    pair), the equivalent of the all-to-all dispatch and combine when every expert
+    shard already holds every token."""
+    rows = P(DATA if DATA in mesh.shape else None)
+    n_local = w_down.shape[0] // axis_size(mesh, axes)
+
+    def body(x, experts, weights, w_gate_up, w_down):
+        first = jax.lax.axis_index(axes) * n_local
+        return jax.lax.psum(_local_experts(x, experts, weights, w_gate_up, w_down, first), axes)
+
+    return jax.shard_map(body, mesh=mesh, in_specs=(rows, rows, rows, P(axes), P(axes)),
+                         out_specs=rows)(x, experts, weights, w_gate_up, w_down)

@@ -59,6 +59,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-token-buckets", type=_ints, default=None, metavar="T1,T2,...")
     p.add_argument("--prefill-seq-buckets", type=_ints, default=None, metavar="N1,N2,...")
     p.add_argument("--decode-seq-buckets", type=_ints, default=None, metavar="N1,N2,...")
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel size: experts split over ep*tp devices")
+    p.add_argument("--tp", "--tensor-parallel-size", type=int, default=1,
+                   help="tensor-parallel size: heads and FFN columns split over tp devices")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -68,7 +72,7 @@ def engine_kwargs(args) -> dict:
     small CPU defaults)."""
     on_cpu = jax.default_backend() == "cpu"
     kw = {"block_size": args.block_size, "max_logprobs": args.max_logprobs,
-          "memory_utilization": args.gpu_memory_utilization}
+          "memory_utilization": args.gpu_memory_utilization, "ep": args.ep, "tp": args.tp}
     for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
         value = getattr(args, name)
         if value is None and on_cpu:

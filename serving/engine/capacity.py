@@ -7,26 +7,37 @@ at what `max_num_seqs` sequences of `max_model_len` tokens could ever use. The
 budget is `memory_utilization` of the device's memory limit minus what is in
 use after the weights are loaded; the rest is left for activations of the
 largest bucket. On CPU (no memory stats) `num_blocks` must be given.
+
+On a mesh the budget is one device's, and a block or slot costs that device
+its shard: the KV heads and GDN value heads split over `tensor` when they
+divide (see `qwen35_jax.sharding.cache_specs`).
 """
 
 import logging
+import math
+from functools import partial
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from serving.engine.config import EngineConfig
 
 log = logging.getLogger(__name__)
 
 
-def plan_capacity(model_cfg, config: EngineConfig, dtype, memory_stats: dict | None = None) -> dict:
-    """Fills `config.num_blocks` if unset; returns the split as a report.
-    `memory_stats` defaults to the first device's (`bytes_limit`, `bytes_in_use`)."""
+def plan_capacity(model_cfg, config: EngineConfig, dtype, memory_stats: dict | None = None,
+                  mesh=None) -> dict:
+    """Fills `config.num_blocks` if unset; returns the split as a report (bytes per
+    device). `memory_stats` defaults to the first device's (`bytes_limit`, `bytes_in_use`)."""
     from qwen35_jax.cache import HybridCache
 
     ssm_dtype = jnp.dtype(config.ssm_dtype)
-    block_bytes = HybridCache.bytes_per_block(model_cfg, config.block_size, dtype)
-    slot_bytes = HybridCache.bytes_per_slot(model_cfg, dtype, ssm_dtype)
+    split = _splits(model_cfg, mesh)
+    block_bytes = HybridCache.bytes_per_block(model_cfg, config.block_size, dtype) // split.kv
+    s = HybridCache.shapes(model_cfg, 1, 1, 1)
+    slot_bytes = (math.prod(s["conv"]) * jnp.dtype(dtype).itemsize // split.conv
+                  + math.prod(s["ssm"]) * ssm_dtype.itemsize // split.ssm)
     report = {"block_bytes": block_bytes, "slot_bytes": slot_bytes, "num_slots": config.num_slots}
     if config.num_blocks is None:
         stats = memory_stats or jax.devices()[0].memory_stats()
@@ -49,9 +60,25 @@ def plan_capacity(model_cfg, config: EngineConfig, dtype, memory_stats: dict | N
     return report
 
 
-def allocate_cache(model_cfg, config: EngineConfig, dtype):
+def _splits(model_cfg, mesh):
+    """Per cache array, how many devices share one block's or slot's bytes."""
     from qwen35_jax.cache import HybridCache
+    from qwen35_jax.sharding import axis_size, cache_specs
 
-    return HybridCache.allocate(model_cfg, num_blocks=config.num_blocks,
-                                block_size=config.block_size, num_slots=config.num_slots,
-                                dtype=dtype, ssm_dtype=jnp.dtype(config.ssm_dtype))
+    if mesh is None:
+        return HybridCache(kv=1, conv=1, ssm=1)
+    return jax.tree.map(lambda spec: axis_size(mesh, [a for a in spec[1:] if a]),
+                        cache_specs(model_cfg, mesh), is_leaf=lambda x: isinstance(x, P))
+
+
+def allocate_cache(model_cfg, config: EngineConfig, dtype, mesh=None):
+    """The zeroed cache, created directly in its sharded layout on ``mesh``."""
+    from qwen35_jax.cache import HybridCache
+    from qwen35_jax.sharding import cache_shardings
+
+    make = partial(HybridCache.allocate, model_cfg, num_blocks=config.num_blocks,
+                   block_size=config.block_size, num_slots=config.num_slots,
+                   dtype=dtype, ssm_dtype=jnp.dtype(config.ssm_dtype))
+    if mesh is None:
+        return make()
+    return jax.jit(make, out_shardings=cache_shardings(model_cfg, mesh))()

@@ -10,7 +10,12 @@ outside the table is compiled on the spot and the compile guard reports it.
 
 The cache pytree and a per-slot "last sampled token" buffer are donated, so
 they are updated in place and keep their device addresses (the transfer layer
-registers them once; `check_addresses` verifies it).
+registers them once; `check_addresses` verifies it, shard by shard).
+
+On a mesh (a cache allocated with `qwen35_jax.sharding` layouts), the programs
+are traced under that mesh and compiled with the parameters', the cache's and
+replicated host inputs' shardings fixed on both sides, so a step never
+reshards the donated cache and every shard keeps its address.
 
 The last-token buffer is what lets the host run ahead: a decode token that was
 sampled by a step still in flight is not known on the host, so the next step
@@ -21,6 +26,7 @@ whose chunk reached the end of their known tokens.
 
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 
@@ -28,6 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from qwen35_jax.sharding import mesh_of, replicated
 
 from serving.engine.buckets import Buckets
 from serving.engine.sampler import SampleResult, SamplingArrays, sample
@@ -68,12 +76,19 @@ class Runner:
         graphdef, state = nnx.split(model)
         self._leaves, treedef = jax.tree.flatten(state)
         self.cache = cache
-        self.last_token = jnp.zeros((num_slots,), jnp.int32)
+        self.mesh = mesh_of(jax.tree.leaves(cache)[0])
+        rep = None if self.mesh is None else replicated(self.mesh)
+        shardings = {}
+        if self.mesh is not None:
+            cache_s = jax.tree.map(lambda a: a.sharding, cache)
+            shardings = dict(in_shardings=([a.sharding for a in self._leaves], cache_s, rep, rep),
+                             out_shardings=(cache_s, rep, rep))
+        self.last_token = jnp.zeros((num_slots,), jnp.int32, device=rep)
         self.num_slots = num_slots
         self.max_blocks_per_seq = max_blocks_per_seq
         self.buckets = buckets
         self._fn = jax.jit(partial(_step, graphdef, treedef, batch_type, num_top_logprobs),
-                           static_argnames=("is_decode",), donate_argnums=(1, 2))
+                           static_argnums=4, donate_argnums=(1, 2), **shardings)
         self._programs = {}  # (is_decode, T, N) -> compiled executable
         self._addresses = None
 
@@ -94,11 +109,13 @@ class Runner:
         return time.perf_counter() - t0
 
     def _lower(self, is_decode: bool, t: int, n: int):
-        return self._fn.lower(self._leaves, self.cache, self.last_token, self._empty(t, n),
-                              is_decode=is_decode)
+        with jax.set_mesh(self.mesh) if self.mesh is not None else nullcontext():
+            return self._fn.lower(self._leaves, self.cache, self.last_token, self._empty(t, n),
+                                  is_decode)
 
     def addresses(self) -> list[int]:
-        return [a.unsafe_buffer_pointer() for a in jax.tree.leaves((self.cache, self.last_token))]
+        arrays = jax.tree.leaves((self.cache, self.last_token))
+        return [s.data.unsafe_buffer_pointer() for a in arrays for s in a.addressable_shards]
 
     def check_addresses(self) -> None:
         """Raise if a donated buffer moved (the in-place update was not honoured).

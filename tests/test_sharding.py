@@ -1,0 +1,296 @@
+"""Sharded execution on 8 CPU host devices equals the single-device run.
+
+The device count of the CPU backend is fixed when JAX starts, and the test
+session's JAX is already up, so the checks run in a child process started with
+``--xla_force_host_platform_device_count=8`` (this file, run as a script); it
+prints one JSON record per check and the tests here assert on them.
+
+Per mesh: the model's prefill (12 tokens per row, two rows) then one decode step
+continuing from the cache, jitted with the parameters and cache placed by
+``qwen35_jax.sharding`` and traced under the mesh, against the same weights on one
+device.  The compiled program is also read: no all-gather may rebuild a split
+parameter or (without ``data``, whose paged gathers are global) a cache array.
+A checkpoint loaded onto a mesh holds the same values as on one device, in the
+table's layout.  The serving checks run greedy requests on engines
+(``LLM("tiny-moe", ...)``): aggregated on EP2xTP2, and disaggregated with the
+prefill on one mesh and the decode on another, the request's cache handed over by
+the planned descriptors; every run must give the single-device engine's tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+MODEL_MESHES = {
+    "tiny": ["dp2", "tp2", "dp2,tp2"],
+    "tiny-moe": ["dp2", "ep2", "ep4", "tp2", "dp2,ep2", "ep2,tp2"],
+}
+# Float32 reductions split over shards are summed in another order; over 8 layers and a
+# decode step that moves logits by a few float32 ulps of their largest magnitude.
+RTOL = 5e-5
+
+
+def _child(*args) -> dict:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               JAX_PLATFORMS="cpu", PYTHONPATH=root)
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), *args], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return {r["key"]: r for r in map(json.loads, proc.stdout.splitlines())}
+
+
+@pytest.fixture(scope="module")
+def forward_records():
+    return {name: _child("forward", name, *meshes) for name, meshes in MODEL_MESHES.items()}
+
+
+@pytest.mark.parametrize("name,mesh", [(n, m) for n, ms in MODEL_MESHES.items() for m in ms])
+def test_sharded_logits_equal_single_device(forward_records, name, mesh):
+    r = forward_records[name][mesh]
+    assert r["prefill_rel_err"] <= RTOL and r["decode_rel_err"] <= RTOL, r
+    assert r["same_argmax"], r
+
+
+@pytest.mark.parametrize("name,mesh", [(n, m) for n, ms in MODEL_MESHES.items() for m in ms])
+def test_compiled_step_keeps_weights_and_cache_split(forward_records, name, mesh):
+    r = forward_records[name][mesh]
+    assert r["split_params"] > 0 or mesh == "dp2", r
+    assert r["gathered_params"] == [], r
+    if "dp" not in mesh:
+        assert r["gathered_cache"] == [], r
+
+
+@pytest.fixture(scope="module")
+def serving_records():
+    return _child("serving")
+
+
+def test_engine_on_mesh_matches_single_device(serving_records):
+    r = serving_records["engine"]
+    assert r["sharded"] == r["single"], r
+    assert r["cache_specs"]["kv"][4] == "tensor" and r["param_spec_experts"][1] == [
+        "expert", "tensor"], r
+
+
+def test_disaggregated_across_mesh_shapes_matches_single_device(serving_records):
+    records = {k: r for k, r in serving_records.items() if "->" in k}
+    assert len(records) == 4
+    for r in records.values():
+        assert r["tokens"] == serving_records["engine"]["single"], r
+    # Equal splits cost what unsharded peers cost, per part; unequal ones cut every row.
+    same, base = records["tp=2->tp=2"]["descriptors"], records["single->single"]["descriptors"]
+    assert same == [2 * n for n in base], records
+    assert all(n > 2 * b for n, b in zip(records["tp=2->single"]["descriptors"], base)), records
+
+
+def test_mesh_spec_and_head_aligned_fallbacks():
+    from jax.sharding import AbstractMesh
+    from jax.sharding import PartitionSpec as P
+
+    from qwen35_jax import get_preset
+    from qwen35_jax.sharding import AXES, MeshShape, cache_specs, expert_axes, param_spec
+
+    assert MeshShape.parse("dp2, ep=4") == MeshShape(dp=2, ep=4, tp=1)
+    with pytest.raises(ValueError):
+        MeshShape.parse("tp2,tp4")
+    cfg = get_preset("tiny-moe")  # 4 heads, 2 KV heads, 4 GDN value heads, 8 experts
+    mesh = AbstractMesh((1, 4, 4), AXES)
+    q_proj, k_proj = (f"groups.attn.self_attn.{n}.kernel" for n in ("q_proj", "k_proj"))
+    assert param_spec(cfg, q_proj, 3, mesh) == P(None, None, "tensor")
+    assert param_spec(cfg, k_proj, 3, mesh) == P(None, None, None)  # 2 KV heads, 4 devices
+    assert cache_specs(cfg, mesh).kv[4] is None and cache_specs(cfg, mesh).ssm[3] == "tensor"
+    assert expert_axes(mesh, 8) == ("expert",)  # 8 experts over 16 devices: expert axis only
+    assert expert_axes(AbstractMesh((1, 2, 2), AXES), 8) == ("expert", "tensor")
+    assert expert_axes(AbstractMesh((1, 3, 1), AXES), 8) == ()
+    assert param_spec(cfg, "groups.gdn.mlp.experts_down", 5, mesh) == P(
+        None, None, ("expert",), None, None)
+
+
+def test_checkpoint_loads_straight_into_the_mesh():
+    r = _child("load")["load"]
+    assert r["mismatched"] == [] and r["misplaced"] == [], r
+    assert r["split"] > 0, r
+
+
+# ---- the child process ----------------------------------------------------------------
+
+def _gathered(hlo: str, shapes: set[tuple[int, ...]]) -> list:
+    """Shapes among ``shapes`` that an all-gather of the compiled program produces."""
+    found = set()
+    for line in hlo.splitlines():
+        if " all-gather(" not in line and " all-gather-start(" not in line:
+            continue
+        result = line.split("=", 1)[1].split("all-gather", 1)[0]
+        for dims in re.findall(r"\[([\d,]*)\]", result):
+            shape = tuple(int(d) for d in dims.split(",") if d)
+            if shape in shapes:
+                found.add(shape)
+    return sorted(found)
+
+
+def _forward_child(name: str, meshes: list[str]) -> None:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    import qwen35_jax
+    from qwen35_jax import sharding as S
+    from qwen35_jax.cache import HybridCache, SequenceCache
+
+    cfg = qwen35_jax.get_preset(name)
+    ids = jax.random.randint(jax.random.key(1), (2, 12), 0, cfg.vocab_size)
+
+    def run(model, ids, cache):
+        logits, cache = model(ids, cache)
+        step, _ = model(ids[:, -1:], cache)
+        return logits, step
+
+    def fresh_cache():
+        return SequenceCache.allocate(cfg, 2, 32)
+
+    ref = jax.jit(run)(qwen35_jax.init_random(cfg, seed=0, dtype=jnp.float32), ids, fresh_cache())
+    ref = [np.asarray(a) for a in ref]
+    for spec in meshes:
+        mesh = S.make_mesh(S.MeshShape.parse(spec))
+        model = qwen35_jax.init_random(cfg, seed=0, dtype=jnp.float32, mesh=mesh)
+        cache = jax.device_put(fresh_cache(), SequenceCache(
+            cache=S.cache_shardings(cfg, mesh), lengths=S.replicated(mesh)))
+        rows = jax.device_put(ids, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
+            S.DATA)))
+        with jax.set_mesh(mesh):
+            compiled = jax.jit(run).lower(model, rows, cache).compile()
+        out = [np.asarray(a) for a in compiled(model, rows, cache)]
+        rel = [float(np.abs(a - b).max() / np.abs(a).max()) for a, b in zip(ref, out)]
+        # Split matrices, whole and per layer (split vectors are too small to tell from
+        # activations by shape).
+        split = set()
+        for path, v in nnx.to_flat_state(nnx.state(model)):
+            lead = 2 if path[:2] == ("groups", "gdn") else 1 if path[0] == "groups" else 0
+            if v[...].sharding.shard_shape(v.shape) != v.shape and len(v.shape) - lead >= 2:
+                split |= {tuple(v.shape), tuple(v.shape[lead:])}
+        cache_shapes = {tuple(s) for s in HybridCache.shapes(
+            cfg, cache.cache.num_blocks, cache.cache.block_size, cache.cache.num_slots).values()}
+        hlo = compiled.as_text()
+        print(json.dumps(dict(
+            key=spec, prefill_rel_err=rel[0], decode_rel_err=rel[1],
+            same_argmax=bool((ref[0].argmax(-1) == out[0].argmax(-1)).all()
+                             and (ref[1].argmax(-1) == out[1].argmax(-1)).all()),
+            split_params=len(split), gathered_params=_gathered(hlo, split),
+            gathered_cache=_gathered(hlo, cache_shapes))), flush=True)
+
+
+PROMPTS = [[5, 9, 13, 2, 7], [3, 3, 8, 21, 34, 55, 89, 144, 11, 6, 1, 2, 3, 4, 5, 6, 7, 8],
+           [400, 17]]
+
+
+def _engine_options() -> dict:
+    from serving.engine.buckets import Buckets
+
+    return dict(num_blocks=64, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128,
+                buckets=Buckets(prefill_tokens=(32,), prefill_seqs=(4,), decode_seqs=(4,)))
+
+
+def _serving_child() -> None:
+    """Greedy tokens of the single-device engine; then prefill on one mesh, hand each
+    request's blocks and slot over by the descriptors ``stream_items`` and the planner
+    give (copied as a NIXL READ would, address to address: CPU shards are host memory),
+    decode on another mesh; last, the EP2xTP2 engine serving the prompts by itself."""
+    import ctypes
+
+    from qwen35_jax import sharding as S
+    from serving import LLM, SamplingParams
+    from serving.kv_transfer import shard_regions, stream_items
+    from transfer.descriptors import plan
+
+    greedy, options = SamplingParams(max_tokens=8, temperature=0), _engine_options()
+    llms = {}
+
+    def engine(role, spec):
+        if (role, spec) not in llms:
+            sizes = {k: int(v) for k, v in (p.split("=") for p in spec.split(",") if p)}
+            llms[role, spec] = LLM("tiny-moe", **sizes, **options)
+        return llms[role, spec].engine
+
+    single = [o.token_ids for o in engine("prefill", "").generate(PROMPTS, greedy)]
+    for src_spec, dst_spec in (("", ""), ("tp=2", "tp=2"), ("tp=2", ""), ("", "ep=2,tp=2")):
+        pre, dec = engine("prefill", src_spec), engine("decode", dst_spec)
+        counts, ids = [], []
+        for prompt in PROMPTS:
+            rid = pre.add_request(prompt, SamplingParams(max_tokens=1, temperature=0),
+                                  hold_on_finish=True)
+            while pre.has_unfinished():
+                pre.step()
+            req = pre.requests[rid]
+            did, blocks, slot = dec.add_remote_request(prompt, req.output_token_ids[0], greedy)
+            src_regions, src_layout = shard_regions(pre.runner.cache)
+            dst_regions, dst_layout = shard_regions(dec.runner.cache)
+            src_items, dst_items = stream_items(src_layout, req.block_ids, req.slot, dst_layout,
+                                                blocks, slot, len(prompt))
+            p = plan(dst_items, {r.name: r for r in dst_regions},
+                     src_items, {r.name: r for r in src_regions})
+            for (dst, n, _), (src, _, _) in zip(p.local.tolist(), p.remote.tolist()):
+                ctypes.memmove(dst, src, n)
+            pre.release(rid)
+            dec.finish_transfer(did)
+            counts.append(p.count)
+            ids.append(did)
+        done = {}
+        while dec.has_unfinished():
+            done.update((o.request_id, o.token_ids) for o in dec.step() if o.finished)
+        print(json.dumps(dict(key=f"{src_spec or 'single'}->{dst_spec or 'single'}",
+                              tokens=[done[i] for i in ids], descriptors=counts)), flush=True)
+    llm = llms["decode", "ep=2,tp=2"]
+    sharded = [o.token_ids for o in llm.generate(PROMPTS, greedy)]
+    cache = llm.engine.runner.cache
+    experts = llm.model.groups.attn.mlp.experts_gate_up[...].sharding.spec
+    print(json.dumps(dict(
+        key="engine", single=single, sharded=sharded,
+        cache_specs={k: list(getattr(cache, k).sharding.spec) for k in ("kv", "conv", "ssm")},
+        param_spec_experts=[list(a) if isinstance(a, tuple) else a for a in experts],
+        mesh=dict(S.mesh_of(cache.kv).shape))), flush=True)
+
+
+def _load_child() -> None:
+    import tempfile
+
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    import qwen35_jax
+    from checkpoints import save_official
+    from hf_reference import hf_model
+    from qwen35_jax import sharding as S
+
+    cfg = qwen35_jax.get_preset("tiny-moe")
+    mesh = S.make_mesh(S.MeshShape(ep=2, tp=2))
+    with tempfile.TemporaryDirectory() as path:
+        save_official(hf_model(cfg, seed=7), path)
+        ref = qwen35_jax.from_pretrained(path, jnp.float32, progress=False)
+        got = qwen35_jax.from_pretrained(path, jnp.float32, progress=False, mesh=mesh)
+    want = dict(nnx.to_flat_state(S.param_shardings(cfg, nnx.state(got), mesh)))
+    ref = dict(nnx.to_flat_state(nnx.state(ref)))
+    mismatched, misplaced, split = [], [], 0
+    for k, v in nnx.to_flat_state(nnx.state(got)):
+        a = v[...]
+        name = ".".join(map(str, k))
+        if not np.array_equal(np.asarray(a), np.asarray(ref[k][...])):
+            mismatched.append(name)
+        if not a.sharding.is_equivalent_to(want[k], a.ndim):
+            misplaced.append(name)
+        split += a.sharding.shard_shape(a.shape) != a.shape
+    print(json.dumps(dict(key="load", mismatched=mismatched, misplaced=misplaced, split=split)),
+          flush=True)
+
+
+if __name__ == "__main__":
+    {"forward": lambda: _forward_child(sys.argv[2], sys.argv[3:]), "serving": _serving_child,
+     "load": _load_child}[sys.argv[1]]()
