@@ -91,7 +91,7 @@ def test_logprobs_and_echo(client):
     lp = c.logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
     assert all(v <= 0 for v in lp.token_logprobs)
-    assert all(3 <= len(top) <= 4 for top in lp.top_logprobs)  # top 3 plus the chosen one
+    assert all(3 <= len(top) <= 4 for top in lp.top_logprobs), lp.top_logprobs  # top 3 + the chosen one
     assert lp.text_offset[0] == len("Echo me")
 
 

@@ -42,6 +42,19 @@ def test_builtin_tokenizer(tok):
     assert tok.decode(ids + [1]) == "user\nhi\nassistant\n"  # special tokens skipped
 
 
+def test_partial_character_tokens_are_named_by_their_bytes(tok):
+    """Tokens that are only part of a UTF-8 character all decode to U+FFFD alone; in
+    logprobs each is named by its bytes (OpenAI's convention) so they stay distinct."""
+    partial = [i for i in range(tok.vocab_size) if "\ufffd" in tok.hf.decode([i])]
+    assert len(partial) > 1
+    names = [tok.token_str(i) for i in partial]
+    assert all(n.startswith("bytes:\\x") for n in names) and len(set(names)) == len(names)
+    snowman = "\u2603".encode()  # three bytes; joined, the tokens' bytes are the character
+    ids = tok.encode("\u2603", add_special_tokens=False)
+    assert b"".join(tok.token_bytes(i) for i in ids) == snowman
+    assert tok.token_str(tok.encode("hello", add_special_tokens=False)[0])[:1] == "h"
+
+
 def test_incremental_decoder_splits_characters(tok):
     text = "a☃b😀c"
     ids = tok.encode(text)

@@ -197,7 +197,7 @@ def test_500_random_requests_fenced_and_all_memory_returned(engine):
             engine.config.async_scheduling = bool(rng.random() < 0.8)
             for o in engine.step():
                 n_done += o.finished
-            free_blocks = set(engine.blocks._free)
+            free_blocks = engine.blocks.free_ids()
             free_slots = set(engine.slots._free)
             for seq, (blocks, slots) in used.items():
                 if seq > fence.completed:

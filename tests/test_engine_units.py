@@ -185,3 +185,15 @@ def test_capacity_split_from_memory_stats():
     c = EngineConfig(max_num_seqs=4, max_model_len=256, block_size=16)
     plan_capacity(cfg, c, jnp.bfloat16, {"bytes_limit": 140 * gib, "bytes_in_use": 0})
     assert c.num_blocks == 4 * 16  # capped at what max_num_seqs sequences can use
+
+
+def test_block_pool_hands_out_consecutive_runs_after_churn():
+    pool = BlockPool(16)
+    reqs = [pool.allocate(3) for _ in range(5)]  # 0-2, 3-5, ..., 12-14; 15 free
+    pool.free(reqs[1])
+    pool.free(reqs[3])  # free: 3-5, 9-11, 15
+    pool.free(reqs[0][1:2])  # and 1
+    assert pool.allocate(3) == [3, 4, 5]  # the lowest run that fits, not 1 + 3-4
+    assert pool.allocate(1) == [1]
+    assert pool.allocate(4) == [9, 10, 11, 15]  # no run of 4: the lowest free blocks
+    assert pool.num_free == 0

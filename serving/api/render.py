@@ -52,7 +52,7 @@ def completion_logprobs(tok: Tokenizer, token_ids: list[int], lps: list[dict[int
         res.token_logprobs.append(top.get(t))
         res.top_logprobs.append({tok.token_str(k): v for k, v in top.items()})
         res.text_offset.append(offset)
-        offset += len(s)
+        offset += len(tok.decode([t]))  # its share of the text, not of its "bytes:" name
     return res
 
 
@@ -60,7 +60,8 @@ def chat_logprobs(tok: Tokenizer, token_ids: list[int], lps: list[dict[int, floa
                   num_top: int) -> ChatLogprobs:
     def entry(t, v):
         s = tok.token_str(t)
-        return TopLogprob(token=s, logprob=v, bytes=list(s.encode()))
+        raw = tok.token_bytes(t)
+        return TopLogprob(token=s, logprob=v, bytes=list(s.encode() if raw is None else raw))
 
     content = []
     for t, top in zip(token_ids, lps):

@@ -8,6 +8,7 @@ built-in "tiny" presets, from `serving/assets/tiny/`.
 import os
 
 from transformers import AutoTokenizer
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 BUILTIN_TOKENIZER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                  "assets", "tiny")
@@ -43,7 +44,21 @@ class Tokenizer:
         return self.hf.decode(ids, skip_special_tokens=True)
 
     def token_str(self, token_id: int) -> str:
-        return self.hf.decode([token_id])
+        """A token's text for logprobs; a token that is only part of a UTF-8 character
+        is written as its bytes (``bytes:\\xe2\\x80``, OpenAI's convention), so distinct
+        tokens never collapse into one "\ufffd" key of ``top_logprobs``."""
+        text = self.hf.decode([token_id])
+        if "\ufffd" not in text:
+            return text
+        raw = self.token_bytes(token_id)
+        return text if raw is None else "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+    def token_bytes(self, token_id: int) -> bytes | None:
+        """The raw bytes of a byte-level BPE token (Qwen's kind); None for other kinds."""
+        piece = self.hf.convert_ids_to_tokens(token_id)
+        if piece is None or not all(c in _BYTE_OF_CHAR for c in piece):
+            return None
+        return bytes(_BYTE_OF_CHAR[c] for c in piece)
 
     def chat_prompt(self, messages: list[dict]) -> list[int]:
         """Token ids of a conversation under the chat template, ready for the
@@ -52,6 +67,9 @@ class Tokenizer:
             raise ValueError("this model's tokenizer has no chat template; use /v1/completions")
         text = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return self.encode(text, add_special_tokens=False)
+
+
+_BYTE_OF_CHAR = {c: b for b, c in bytes_to_unicode().items()}  # byte-level BPE alphabet
 
 
 class IncrementalDecoder:

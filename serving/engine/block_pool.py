@@ -6,11 +6,17 @@ transfer layer can register and move). Blocks are reference counted because
 more than one owner may hold a block at once: the request that computes it, and
 later a transfer lease that keeps it alive while a remote worker reads it.
 
+Allocation is first fit: the lowest run of `n` consecutive free blocks, else the
+`n` lowest free blocks. Consecutive blocks are one transfer descriptor, and NIXL
+posts each descriptor separately (~5 µs each on H200: a 32768-token request in
+shuffled blocks took 14 ms against 2.9 ms in consecutive ones, bench/RESULTS.md),
+so a request that arrives by transfer should find a run even after churn.
+
 The pool knows nothing about steps; returning a block at the right time (after
 every step that may still write it has completed) is the job of `StepFence`.
 """
 
-from collections import deque
+import numpy as np
 
 
 class BlockPool:
@@ -19,17 +25,29 @@ class BlockPool:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
         self._ref = [0] * num_blocks
-        self._free = deque(range(num_blocks))
+        self._is_free = np.ones(num_blocks, bool)
+        self._num_free = num_blocks
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self._num_free
 
     def allocate(self, n: int) -> list[int]:
-        """Take `n` free blocks (ref count 1 each); all or nothing."""
-        if n > len(self._free):
-            raise MemoryError(f"need {n} blocks, {len(self._free)} free")
-        ids = [self._free.popleft() for _ in range(n)]
+        """Take `n` free blocks (ref count 1 each), consecutive where a run of `n` is
+        free; all or nothing."""
+        if n > self._num_free:
+            raise MemoryError(f"need {n} blocks, {self._num_free} free")
+        free = np.flatnonzero(self._is_free)
+        first = 0
+        if n > 1:
+            cuts = np.flatnonzero(np.diff(free) != 1) + 1
+            starts = np.concatenate(([0], cuts))
+            lengths = np.diff(np.concatenate((starts, [len(free)])))
+            fits = np.flatnonzero(lengths >= n)
+            first = int(starts[fits[0]]) if len(fits) else 0
+        ids = free[first:first + n].tolist()
+        self._is_free[ids] = False
+        self._num_free -= n
         for i in ids:
             self._ref[i] = 1
         return ids
@@ -48,7 +66,12 @@ class BlockPool:
                 raise ValueError(f"double free of block {i}")
             self._ref[i] -= 1
             if self._ref[i] == 0:
-                self._free.append(i)
+                self._is_free[i] = True
+                self._num_free += 1
+
+    def free_ids(self) -> set[int]:
+        """The allocatable blocks (for checks that no step's blocks were handed out)."""
+        return set(np.flatnonzero(self._is_free).tolist())
 
     def ref_count(self, i: int) -> int:
         return self._ref[i]
