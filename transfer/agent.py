@@ -69,8 +69,13 @@ class Agent:
         return self._nixl.get_agent_metadata()
 
     def add_peer(self, metadata: bytes) -> str:
-        """Load a peer's metadata; returns its agent name."""
-        return self._nixl.add_remote_agent(metadata)
+        """Load a peer's metadata and open the connection now; returns its agent name.
+
+        Opening it here rather than inside the first transfer matters: notifications were
+        lost when many READs started on a connection still being set up (CPU/UCX)."""
+        name = self._nixl.add_remote_agent(metadata)
+        self._nixl.make_connection(name)
+        return name
 
     def remove_peer(self, name: str) -> None:
         self._nixl.remove_remote_agent(name)
