@@ -281,3 +281,22 @@ def test_landed_reports_bytes_in_place_but_only_the_ack_makes_a_pull_ok(source, 
     hung = puller.pull(source.pin(blocks([6])), blocks([6]), timeout=0.5)
     c = drive(source, puller, until=lambda d: hung in d)[hung]
     assert c.error.kind == "timeout" and puller.landed() == []
+
+
+def test_first_pull_to_a_fresh_peer_goes_alone_then_the_rest_follow():
+    """A burst on a connection still being set up lost messages (CPU/UCX), so pulls to a
+    peer that has never completed one wait for the first; all complete, bytes intact."""
+    source, puller = make_manager(seed=3), make_manager()
+    try:
+        params = [source.pin(blocks([i])) for i in range(4)]
+        ids = [puller.pull(p, blocks([10 + i])) for i, p in enumerate(params)]
+        assert [puller._pulls[i].queued for i in ids] == [False, True, True, True]
+        done = drive(source, puller, until=lambda d: set(ids) <= d.keys())
+        assert all(done[i].ok for i in ids)
+        src, dst = view(source, "kv").reshape(BLOCKS, BLOCK), view(puller, "kv").reshape(BLOCKS, BLOCK)
+        np.testing.assert_array_equal(dst[10:14], src[:4])
+        later = [puller.pull(source.pin(blocks([i])), blocks([20 + i])) for i in range(2)]
+        drive(source, puller, until=lambda d: set(later) <= d.keys())
+    finally:
+        puller.close()
+        source.close()
