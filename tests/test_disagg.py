@@ -24,7 +24,7 @@ from serving.router import Router, WorkerFailed
 FLAGS = ["--model", "tiny", "--max-num-seqs", "16", "--max-num-batched-tokens", "256",
          "--max-model-len", "512", "--block-size", "16", "--prefill-token-buckets", "64,256",
          "--prefill-seq-buckets", "16", "--decode-seq-buckets", "16", "--max-logprobs", "0",
-         "--transfer-timeout", "20", "--lease-ttl", "30", "--enable-fault-injection",
+         "--transfer-timeout", "40", "--lease-ttl", "60", "--enable-fault-injection",
          "--log-level", "warning"]
 
 
@@ -174,7 +174,7 @@ def test_injected_transfer_error_and_timeout_fail_only_their_request(stack):
     for kind in ("fail_next", "hang_next"):
         bad, took, good = asyncio.run(go(kind))
         assert isinstance(bad, WorkerFailed) and "transfer failed" in str(bad), bad
-        assert took < 45, took  # the transfer timeout is 20 s; steps on a loaded CPU take seconds
+        assert took < 70, took  # the transfer timeout is 40 s; steps on a loaded CPU take seconds
         assert all(not isinstance(g, BaseException) and len(g.token_ids) == 8 for g in good)
     assert pools_full(stack, stack.urls["prefill"] + stack.urls["decode"]) is True
 
@@ -280,7 +280,7 @@ def test_prefill_worker_killed_during_transfer(stack):
 
     bad, took, ok = asyncio.run(go())
     assert isinstance(bad, WorkerFailed), bad
-    assert took < 45, took
+    assert took < 70, took
     assert all(not isinstance(o, BaseException) for o in ok), ok
     stack.urls["prefill"].remove(victim)
     assert pools_full(stack, [d, survivor]) is True
