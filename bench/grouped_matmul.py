@@ -18,13 +18,13 @@ here first.
 
 import argparse
 import json
-import time
 
 import numpy as np
 
 import jax
 import jax.numpy as jnp
 
+from bench.timing import seconds_per_call
 from pallas_kernels.grouped_matmul import grouped_matmul, mgpu_kernel, mgpu_tiles, padded_call
 
 E, TOP_K = 256, 8
@@ -32,18 +32,6 @@ SHAPES = {"gate_up": (2048, 1024), "down": (512, 2048)}
 ROWS = {"decode64": 64 * TOP_K, "decode256": 256 * TOP_K, "prefill2048": 2048 * TOP_K}
 TILES = [dict(block_m=bm, block_n=bn, block_k=64, max_concurrent_steps=s, grid_block_n=1)
          for bm, bn, s in ((64, 128, 4), (128, 128, 4), (128, 128, 6), (64, 256, 4))]
-
-
-def _time(fn, *args, calls=10, samples=7):
-    jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(samples):
-        t = time.perf_counter()
-        for _ in range(calls):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        ts.append((time.perf_counter() - t) / calls)
-    return float(np.median(ts))
 
 
 def _inputs(rng, rows, k, n, empty=0):
@@ -80,9 +68,9 @@ def check(rng) -> list[dict]:
 
 def ceilings() -> dict:
     x = jax.random.normal(jax.random.key(1), (1 << 30,), jnp.bfloat16)
-    copy = 2 * x.nbytes / _time(jax.jit(lambda v: v + 1), x)
+    copy = 2 * x.nbytes / seconds_per_call(jax.jit(lambda v: v + 1), x)
     a, b = (jax.random.normal(jax.random.key(i), (8192, 8192), jnp.bfloat16) for i in (2, 3))
-    rate = 2 * 8192 ** 3 / _time(jax.jit(lambda p, q: p @ q), a, b)
+    rate = 2 * 8192 ** 3 / seconds_per_call(jax.jit(lambda p, q: p @ q), a, b)
     return {"copy_bytes_per_s": copy, "matmul_flops_per_s": rate}
 
 
@@ -99,7 +87,7 @@ def timings(rng, ceil) -> list[dict]:
                                                          "max_concurrent_steps"))
                 try:
                     fn = jax.jit(lambda a, b, g, t=tiles: padded_call(mgpu_kernel(), a, b, g, t))
-                    s = _time(fn, x, w, sizes)
+                    s = seconds_per_call(fn, x, w, sizes)
                 except Exception as e:  # a tile that does not fit (shared memory, registers)
                     print(f"{shape} {phase} {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
                     continue

@@ -35,6 +35,7 @@ import time
 
 import numpy as np
 
+from bench.timing import seconds_per_call
 from serving import LLM, SamplingParams
 from serving.engine.buckets import Buckets
 
@@ -94,21 +95,6 @@ def stats_ms(xs):
 
 # ---- ceilings -------------------------------------------------------------
 
-def _seconds_per_call(fn, *args, calls=10, samples=7):
-    """Median over samples of (calls back-to-back, then one sync) / calls, after a warm-up."""
-    import jax
-
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(samples):
-        t = time.perf_counter()
-        for _ in range(calls):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t) / calls)
-    return float(np.median(times))
-
-
 def measure_ceilings(nbytes: int, mm: int) -> dict:
     """Copy bandwidth (bytes read + written), read bandwidth (a reduction) and the
     bf16 matmul rate, on random data, on the default device."""
@@ -117,12 +103,12 @@ def measure_ceilings(nbytes: int, mm: int) -> dict:
 
     kx, ka, kb = jax.random.split(jax.random.key(0), 3)
     x = jax.random.normal(kx, (nbytes // 2,), jnp.bfloat16)
-    copy_s = _seconds_per_call(jax.jit(lambda v: v + 1), x)
-    read_s = _seconds_per_call(jax.jit(lambda v: jnp.sum(v, dtype=jnp.float32)), x)
+    copy_s = seconds_per_call(jax.jit(lambda v: v + 1), x)
+    read_s = seconds_per_call(jax.jit(lambda v: jnp.sum(v, dtype=jnp.float32)), x)
     del x
     a = jax.random.normal(ka, (mm, mm), jnp.bfloat16)
     b = jax.random.normal(kb, (mm, mm), jnp.bfloat16)
-    mm_s = _seconds_per_call(jax.jit(lambda p, q: p @ q), a, b)
+    mm_s = seconds_per_call(jax.jit(lambda p, q: p @ q), a, b)
     return {"copy_bytes_per_s": 2 * nbytes / copy_s, "read_bytes_per_s": nbytes / read_s,
             "matmul_flops_per_s": 2 * mm ** 3 / mm_s, "ceiling_bytes": nbytes, "matmul_size": mm}
 
