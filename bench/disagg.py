@@ -22,12 +22,18 @@ C`` semantics: at most C in flight.  Lengths are drawn uniformly from
 ``[floor((1-r)*L), ceil((1+r)*L)]`` (vLLM's ``--random-range-ratio``;
 ``--range-convention vllm``); the default ratio gives fixed lengths in both.
 Each concurrency level C runs ``8 x C`` requests unless ``--num-prompts`` is
-given, after ``--num-warmups`` unmeasured ones.  Metrics are vLLM's: TTFT to
+given, after ``--num-warmups`` unmeasured ones (full prompts, at most
+``--warmup-output-len`` output tokens).  Metrics are vLLM's: TTFT to
 the first chunk with choices, TPOT = (latency - TTFT) / (output tokens - 1)
 with latency at the last such chunk, ITL between chunks, output counts from
 ``usage.completion_tokens``; "per GPU" divides the total token throughput by
 the devices serving (for a started stack: its prefill + decode workers).
-Writes ``<result-dir>/disagg.json`` (flat vLLM-style keys per run, with the
+Beside those, each level reports the server's peak KV and GDN state bytes in use
+(its ``/metrics`` gauges, summed over workers, sampled twice a second) and the
+transfers' count, mean time and size per request; with ``--roofline`` it first
+measures the device's ceilings in a child process (``python -m bench.roofline``)
+and puts each level's floor beside its throughput and TPOT
+(``bench.roofline.serving_floor``).  Writes ``<result-dir>/disagg.json`` (flat vLLM-style keys per run, with the
 per-request lengths) and ``<result-dir>/disagg.png`` (throughput per GPU and
 TTFT against concurrency).
 """
@@ -47,7 +53,11 @@ import time
 
 import httpx
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 from tqdm.auto import tqdm
+
+from serving.__main__ import gpus
+from serving.__main__ import parser as stack_parser
 
 # Small engine limits for a CPU: one 64-token prefill program per sequence bucket
 # (1 and 4 sequences), one 4-sequence decode program.
@@ -58,6 +68,9 @@ _ENGINE_FLAGS = {"--max-num-seqs", "--max-num-batched-tokens", "--max-model-len"
                  "--num-blocks", "--prefill-token-buckets", "--prefill-seq-buckets",
                  "--decode-seq-buckets"}
 _TINY = {"tiny", "tiny-moe"}
+MEMORY_GAUGES = ("vllm:kv_cache_bytes_in_use", "vllm:state_bytes_in_use")
+TRANSFER_COUNTERS = ("vllm:kv_transfers_total", "vllm:kv_transfer_seconds_total",
+                     "vllm:kv_transfer_bytes_total")
 
 
 def length_bounds(length: int, ratio: float, convention: str) -> tuple[int, int]:
@@ -134,12 +147,43 @@ async def one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int]
     return res
 
 
+async def scrape(client: httpx.AsyncClient, url: str) -> dict[str, float]:
+    """The server's Prometheus samples, summed over labels, by sample name."""
+    r = await client.get(f"{url}/metrics", timeout=5.0)
+    r.raise_for_status()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(r.text):
+        for sample in family.samples:
+            out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    return out
+
+
+async def watch(client: httpx.AsyncClient, url: str, done: asyncio.Event,
+                interval: float = 0.5) -> dict[str, float]:
+    """Peaks of the memory gauges while the level runs (as fresh as the server's own
+    view: the router polls its workers once a second)."""
+    peak = dict.fromkeys(MEMORY_GAUGES, 0.0)
+    while not done.is_set():
+        m = await scrape(client, url)
+        for k in peak:
+            peak[k] = max(peak[k], m.get(k, 0.0))
+        try:
+            await asyncio.wait_for(done.wait(), interval)
+        except asyncio.TimeoutError:
+            pass
+    return peak
+
+
 async def run_level(url: str, model: str, data, concurrency: int, ignore_eos: bool,
-                    desc: str) -> tuple[list[Result], float]:
-    """All requests at once, at most `concurrency` in flight; (results in data order, seconds)."""
+                    desc: str) -> tuple[list[Result], float, dict]:
+    """All requests at once, at most `concurrency` in flight; (results in data order,
+    seconds, server figures: peak memory in use and the transfer counters' increase)."""
     sem = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0, connect=30.0),
                                  limits=httpx.Limits(max_connections=None)) as client:
+        before = await scrape(client, url)
+        done = asyncio.Event()
+        watcher = asyncio.create_task(watch(client, url, done))
         with tqdm(total=len(data), desc=desc, unit="req", disable=not desc) as bar:
             async def guarded(prompt, max_tokens):
                 async with sem:
@@ -150,7 +194,13 @@ async def run_level(url: str, model: str, data, concurrency: int, ignore_eos: bo
             t0 = time.perf_counter()
             results = await asyncio.gather(*(guarded(p, o) for p, o in data))
             duration = time.perf_counter() - t0
-    return results, duration
+        done.set()
+        server = await watcher
+        await asyncio.sleep(1.5)  # the router's counters lag its workers' by one poll
+        after = await scrape(client, url)
+    for k in TRANSFER_COUNTERS:
+        server[k] = after.get(k, 0.0) - before.get(k, 0.0)
+    return results, duration, server
 
 
 def _stats(name: str, seconds: list[float]) -> dict:
@@ -161,12 +211,22 @@ def _stats(name: str, seconds: list[float]) -> dict:
             f"std_{name}_ms": float(xs.std()), f"p99_{name}_ms": float(np.percentile(xs, 99))}
 
 
-def summarise(results: list[Result], duration: float, concurrency: int, num_gpus: int) -> dict:
-    """vLLM's `calculate_metrics` over the successful requests, plus throughput per GPU."""
+def summarise(results: list[Result], duration: float, concurrency: int, num_gpus: int,
+              server: dict) -> dict:
+    """vLLM's `calculate_metrics` over the successful requests, plus throughput per GPU
+    and the server's figures (peak KV and state bytes in use, transfers)."""
     ok = [r for r in results if r.ok]
     tin = sum(r.prompt_tokens for r in ok)
     tout = sum(r.output_tokens for r in ok)
+    transfers = server.get("vllm:kv_transfers_total", 0.0)
     return {
+        "peak_kv_bytes": server.get("vllm:kv_cache_bytes_in_use", 0.0),
+        "peak_state_bytes": server.get("vllm:state_bytes_in_use", 0.0),
+        "transfers": transfers,
+        "mean_transfer_ms": (1e3 * server.get("vllm:kv_transfer_seconds_total", 0.0)
+                             / transfers if transfers else float("nan")),
+        "mean_transfer_bytes": (server.get("vllm:kv_transfer_bytes_total", 0.0) / transfers
+                                if transfers else float("nan")),
         "max_concurrency": concurrency, "num_gpus": num_gpus, "duration": duration,
         "completed": len(ok), "failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if not r.ok})[:5],
@@ -181,6 +241,8 @@ def summarise(results: list[Result], duration: float, concurrency: int, num_gpus
         **_stats("e2el", [r.latency for r in ok]),
         "input_lens": [r.prompt_tokens for r in results],
         "output_lens": [r.output_tokens for r in results],
+        "chunks": [len(r.itl) + 1 if r.ok else 0 for r in results],  # streamed with choices
+        "ttfts": [r.ttft for r in results],
     }
 
 
@@ -200,6 +262,18 @@ def table(s: dict) -> str:
            line("Total Token throughput (tok/s):", f"{s['total_token_throughput']:.2f}"),
            line("Total token throughput per GPU (tok/s):",
                 f"{s['total_token_throughput_per_gpu']:.2f}")]
+    out += [line("Peak KV + state in use (GiB):",
+                 f"{s['peak_kv_bytes'] / 2**30:.2f} + {s['peak_state_bytes'] / 2**30:.2f}")]
+    if s["transfers"]:
+        out += [line("Transfers (mean ms, MiB per request):",
+                     f"{s['transfers']:.0f} ({s['mean_transfer_ms']:.1f}, "
+                     f"{s['mean_transfer_bytes'] / 2**20:.1f})")]
+    if "roofline_tokens_per_s_per_gpu" in s:
+        out += [line("Roofline tok/s per GPU (share):",
+                     f"{s['roofline_tokens_per_s_per_gpu']:.0f} ({s['roofline_share']:.0%})"),
+                line("Prefill floor tok/s per GPU:", f"{s['prefill_floor_tokens_per_s']:.0f}"),
+                line("Decode step floor ms (of median TPOT):",
+                     f"{s['decode_step_floor_ms']:.1f} ({s['decode_floor_share']:.0%})")]
     for title, key, short in (("Time to First Token", "ttft", "TTFT"),
                               ("Time per Output Token (excl. 1st token)", "tpot", "TPOT"),
                               ("Inter-token Latency", "itl", "ITL")):
@@ -213,7 +287,8 @@ def table(s: dict) -> str:
 def summary(rows: list[dict]) -> str:
     """One line per run: the sweep at a glance (Markdown)."""
     head = ("| mode | C | ok/all | duration s | req/s | out tok/s | total tok/s | tok/s/GPU "
-            "| TTFT med/p99 ms | TPOT med/p99 ms | ITL med/p99 ms |")
+            "| TTFT med/p99 ms | TPOT med/p99 ms | ITL med/p99 ms | peak KV+state GiB "
+            "| transfer ms/req | roofline tok/s/GPU (share) | decode floor ms (of TPOT) |")
     out = [head, "|" + "---|" * (head.count("|") - 1)]
     for s in rows:
         out.append(
@@ -223,15 +298,21 @@ def summary(rows: list[dict]) -> str:
             f"{s['total_token_throughput']:.1f} | {s['total_token_throughput_per_gpu']:.1f} | "
             f"{s['median_ttft_ms']:.0f} / {s['p99_ttft_ms']:.0f} | "
             f"{s['median_tpot_ms']:.1f} / {s['p99_tpot_ms']:.1f} | "
-            f"{s['median_itl_ms']:.1f} / {s['p99_itl_ms']:.1f} |")
+            f"{s['median_itl_ms']:.1f} / {s['p99_itl_ms']:.1f} | "
+            f"{(s['peak_kv_bytes'] + s['peak_state_bytes']) / 2**30:.2f} | "
+            f"{s['mean_transfer_ms']:.1f} | " + (
+                f"{s['roofline_tokens_per_s_per_gpu']:.0f} ({s['roofline_share']:.0%}) | "
+                f"{s['decode_step_floor_ms']:.1f} ({s['decode_floor_share']:.0%}) |"
+                if "roofline_share" in s else "- | - |"))
     return "\n".join(out)
 
 
-def start_server(cmd: list[str], url: str, timeout: float) -> subprocess.Popen:
+def start_server(cmd: list[str], url: str, timeout: float, env: dict | None = None
+                 ) -> subprocess.Popen:
     """Start a server in its own session (so one signal reaches it and nothing else) and
     wait for /health."""
     print("starting:", " ".join(cmd), flush=True)
-    proc = subprocess.Popen(cmd, start_new_session=True)
+    proc = subprocess.Popen(cmd, start_new_session=True, env=env)
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if proc.poll() is not None:
@@ -266,7 +347,67 @@ def served_model(url: str) -> tuple[str, int]:
     return card["id"], int(card["max_model_len"])
 
 
-def run_mode(mode: str, url: str, args, num_gpus: int) -> list[dict]:
+def roofline_figures(mode: str, s: dict, results: list[Result], roof: tuple) -> dict:
+    """The level's floor (bench.roofline.serving_floor) beside what it reached: total
+    tokens/s per GPU, and the decode step floor against the median TPOT.  The
+    disaggregated floor is that of one prefill and one decode device."""
+    from bench.roofline import serving_floor
+
+    costs, ceilings = roof
+    ok = [r for r in results if r.ok]
+    if not ok:
+        return {}
+    f = serving_floor(costs, ceilings, [r.prompt_tokens for r in ok],
+                      [r.output_tokens for r in ok], s["max_concurrency"])
+    per_gpu = (f["disaggregated_tokens_per_s_per_gpu"] if mode == "disaggregated"
+               else f["aggregated_tokens_per_s"])
+    return {"roofline_tokens_per_s_per_gpu": per_gpu,
+            "roofline_share": s["total_token_throughput_per_gpu"] / per_gpu,
+            "prefill_floor_tokens_per_s": f["prefill_tokens_per_s"],
+            "decode_step_floor_ms": 1e3 * f["decode_step_s"],
+            "decode_step_floor_bytes": f["decode_step_bytes"],
+            "decode_floor_share": (1e3 * f["decode_step_s"] / s["median_tpot_ms"]
+                                   if s["median_tpot_ms"] > 0 else float("nan"))}
+
+
+def filler_tokenizer(model: str, result_dir: str) -> list[str]:
+    """``--tokenizer DIR`` for a random-weight preset of a real vocabulary: the built-in
+    BPE padded with filler tokens to the model's size (serving/assets/
+    make_tiny_tokenizer.py), so every sampled id streams as text; none otherwise."""
+    from qwen35_jax import get_preset
+    from serving.assets import make_tiny_tokenizer
+
+    if os.path.isdir(model) or get_preset(model).vocab_size <= make_tiny_tokenizer.VOCAB_SIZE:
+        return []
+    path = make_tiny_tokenizer.main(os.path.join(result_dir, "tokenizer"),
+                                    get_preset(model).vocab_size)
+    return ["--tokenizer", path]
+
+
+def measure_roofline(args, server_flags: list[str], result_dir: str) -> tuple:
+    """(model costs, ceilings): the ceilings measured by ``python -m bench.roofline`` in a
+    child process on the first device before any server starts (so this process never
+    holds device memory), the costs from the model's shapes."""
+    from bench.roofline import abstract_costs
+    from serving.api.server import parser as server_parser
+
+    flags, _ = server_parser().parse_known_args(["--model", args.model, *server_flags])
+    path = os.path.join(result_dir, "ceilings.json")
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    if gpus():
+        env["CUDA_VISIBLE_DEVICES"] = gpus()[0]
+    subprocess.run([sys.executable, "-m", "bench.roofline", "--json", path,
+                    *args.ceiling_flags.split()], check=True, env=env)
+    with open(path) as f:
+        ceilings = json.load(f)
+    dtype = flags.dtype or ("float32" if args.model in _TINY else "bfloat16")
+    return abstract_costs(args.model, dtype, flags.block_size), ceilings
+
+
+def run_mode(mode: str, url: str, args, num_gpus: int, roof: tuple | None,
+             rows: list[dict]) -> None:
+    """Every concurrency level against one server; each level's figures go to `rows` as
+    soon as it ends (a later failure keeps them)."""
     name, max_model_len = served_model(url)
     longest = (length_bounds(args.input_len, args.range_ratio, args.range_convention)[1]
                + length_bounds(args.output_len, args.range_ratio, args.range_convention)[1])
@@ -276,18 +417,19 @@ def run_mode(mode: str, url: str, args, num_gpus: int) -> list[dict]:
     if args.num_warmups:
         warm = dataset(args.num_warmups, args.input_len, args.output_len, args.range_ratio,
                        args.range_convention, args.vocab_size, seed=[args.seed, 0])
+        warm = [(prompt, min(n, args.warmup_output_len)) for prompt, n in warm]
         asyncio.run(run_level(url, name, warm, args.num_warmups, args.ignore_eos, ""))
-    rows = []
     for c in args.concurrency:
         n = args.num_prompts or args.prompts_per_concurrency * c
         data = dataset(n, args.input_len, args.output_len, args.range_ratio,
                        args.range_convention, args.vocab_size, seed=[args.seed, c])
-        results, duration = asyncio.run(run_level(url, name, data, c, args.ignore_eos,
-                                                  f"{mode} C={c}"))
-        s = {"mode": mode, **summarise(results, duration, c, num_gpus)}
+        results, duration, server = asyncio.run(run_level(url, name, data, c, args.ignore_eos,
+                                                          f"{mode} C={c}"))
+        s = {"mode": mode, **summarise(results, duration, c, num_gpus, server)}
+        if roof is not None:
+            s.update(roofline_figures(mode, s, results, roof))
         print(table(s), flush=True)
         rows.append(s)
-    return rows
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -336,6 +478,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts-per-concurrency", type=int, default=8)
     p.add_argument("--num-warmups", type=int, default=1,
                    help="unmeasured requests before each server's sweep")
+    p.add_argument("--warmup-output-len", type=int, default=16,
+                   help="output tokens of a warm-up request (at most --output-len): enough "
+                        "to pass through prefill, transfer and decode once")
     p.add_argument("--num-gpus", type=int, default=None,
                    help="devices of the disaggregated server (default: a started stack's "
                         "prefill + decode workers; 1 with --base-url)")
@@ -347,15 +492,27 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8300, help="of started servers (and port + 1)")
     p.add_argument("--startup-timeout", type=float, default=900)
     p.add_argument("--result-dir", default="out")
+    p.add_argument("--roofline", action="store_true",
+                   help="measure the device's ceilings first and put each level's roofline "
+                        "beside its figures (bench.roofline)")
+    p.add_argument("--ceiling-flags", default="",
+                   help="flags for python -m bench.roofline (say '--ceiling-mib 64' on a CPU)")
     return p
 
 
 def main(argv=None) -> None:
+    import jax
+
+    # This process is a client: shapes for the roofline, never a device (a GPU client
+    # here would take memory the servers need). Its children keep their own platforms.
+    jax.config.update("jax_platforms", "cpu")
     args, server_flags = parser().parse_known_args(argv)
     if args.range_ratio is None:
         args.range_ratio = 1.0 if args.range_convention == "sa" else 0.0
     if args.model in _TINY and not _ENGINE_FLAGS & {f.split("=")[0] for f in server_flags}:
         server_flags = CPU_ENGINE_FLAGS + server_flags
+    if not any(f.split("=")[0] == "--tokenizer" for f in server_flags):
+        server_flags += filler_tokenizer(args.model, args.result_dir)
     if not any(f.split("=")[0] == "--log-level" for f in server_flags):
         server_flags = server_flags + ["--log-level", "warning"]  # keep the progress bars legible
     os.makedirs(args.result_dir, exist_ok=True)
@@ -363,11 +520,11 @@ def main(argv=None) -> None:
     # started servers (in their own sessions) are stopped too.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     rows, procs = [], []
+    roof = measure_roofline(args, server_flags, args.result_dir) if args.roofline else None
     try:
         if args.base_url:
             url, num_gpus = args.base_url.rstrip("/"), args.num_gpus or 1
         else:
-            from serving.__main__ import parser as stack_parser
 
             stack, _ = stack_parser().parse_known_args(["--model", args.model, *server_flags])
             num_gpus = args.num_gpus or stack.prefill_workers + stack.decode_workers
@@ -375,21 +532,27 @@ def main(argv=None) -> None:
             procs.append(start_server([sys.executable, "-m", "serving", "--model", args.model,
                                        "--port", str(args.port), *server_flags], url,
                                       args.startup_timeout))
-        rows += run_mode("disaggregated", url, args, num_gpus)
+        run_mode("disaggregated", url, args, num_gpus, roof, rows)
         if procs:
             stop_server(procs.pop())
         if args.compare_aggregated:
             agg = f"http://127.0.0.1:{args.port + 1}"
+            # On GPUs the aggregated server gets the first --aggregated-gpus devices only,
+            # and XLA there 95 % of each (its cache lives in XLA's pool), as the workers'
+            # caches take what their pools leave.
+            env = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95", **os.environ,
+                   "CUDA_VISIBLE_DEVICES": ",".join(gpus()[:args.aggregated_gpus])
+                   } if gpus() else None
             procs.append(start_server([sys.executable, "-m", "serving.api", "--model",
                                        args.model, "--port", str(args.port + 1),
-                                       *server_flags], agg, args.startup_timeout))
-            rows += run_mode("aggregated", agg, args, args.aggregated_gpus)
+                                       *server_flags], agg, args.startup_timeout, env))
+            run_mode("aggregated", agg, args, args.aggregated_gpus, roof, rows)
     finally:
         for proc in procs:
             stop_server(proc)
-    with open(os.path.join(args.result_dir, "disagg.json"), "w") as f:
-        json.dump({"args": vars(args), "server_flags": server_flags, "results": rows}, f,
-                  indent=1)
+        with open(os.path.join(args.result_dir, "disagg.json"), "w") as f:
+            json.dump({"args": vars(args), "server_flags": server_flags, "results": rows}, f,
+                      indent=1)
     plot(rows, os.path.join(args.result_dir, "disagg.png"))
     print(summary(rows))
     print(f"wrote {args.result_dir}/disagg.json and {args.result_dir}/disagg.png", flush=True)

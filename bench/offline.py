@@ -35,11 +35,10 @@ import time
 
 import numpy as np
 
-from bench.timing import seconds_per_call
+from bench.roofline import measure_ceilings, model_costs, step_floor
 from serving import LLM, SamplingParams
 from serving.engine.buckets import Buckets
 
-GDN_FLOPS_PER_DKDV = 11  # per token and value head (anchors.md: 180 K at dk = dv = 128)
 CHECK_TOP_RANK = 5  # --check: the engine's greedy token must be among the forward's top 5
 
 
@@ -91,74 +90,6 @@ def stats_ms(xs):
         return {"mean": 0.0, "median": 0.0, "p99": 0.0}
     return {"mean": float(xs.mean()), "median": float(np.median(xs)),
             "p99": float(np.percentile(xs, 99))}
-
-
-# ---- ceilings -------------------------------------------------------------
-
-def measure_ceilings(nbytes: int, mm: int) -> dict:
-    """Copy bandwidth (bytes read + written), read bandwidth (a reduction) and the
-    bf16 matmul rate, on random data, on the default device."""
-    import jax
-    import jax.numpy as jnp
-
-    kx, ka, kb = jax.random.split(jax.random.key(0), 3)
-    x = jax.random.normal(kx, (nbytes // 2,), jnp.bfloat16)
-    copy_s = seconds_per_call(jax.jit(lambda v: v + 1), x)
-    read_s = seconds_per_call(jax.jit(lambda v: jnp.sum(v, dtype=jnp.float32)), x)
-    del x
-    a = jax.random.normal(ka, (mm, mm), jnp.bfloat16)
-    b = jax.random.normal(kb, (mm, mm), jnp.bfloat16)
-    mm_s = seconds_per_call(jax.jit(lambda p, q: p @ q), a, b)
-    return {"copy_bytes_per_s": 2 * nbytes / copy_s, "read_bytes_per_s": nbytes / read_s,
-            "matmul_flops_per_s": 2 * mm ** 3 / mm_s, "ceiling_bytes": nbytes, "matmul_size": mm}
-
-
-# ---- the roofline ---------------------------------------------------------
-
-def model_costs(model, cache_report: dict, block_size: int) -> dict:
-    """Parameter counts and bytes by role, and the cache bytes per token and slot."""
-    import jax
-    from flax import nnx
-
-    cfg = model.config
-    parts = {"expert": [0, 0], "embed": [0, 0], "lm_head": [0, 0], "dense": [0, 0]}
-    for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param)):
-        name = jax.tree_util.keystr(path)
-        role = ("expert" if "experts_" in name else "embed" if "embed_tokens" in name
-                else "lm_head" if "lm_head" in name else "dense")
-        parts[role][0] += leaf.size
-        parts[role][1] += leaf.size * leaf.dtype.itemsize
-    head = parts["embed"] if cfg.tie_word_embeddings else parts["lm_head"]
-    return {
-        "dense_params": parts["dense"][0], "dense_bytes": parts["dense"][1],
-        "expert_params": parts["expert"][0], "expert_bytes": parts["expert"][1],
-        "head_params": head[0], "head_bytes": head[1],
-        "expert_share": cfg.num_experts_per_tok / cfg.num_experts if cfg.is_moe else 0.0,
-        "num_experts": cfg.num_experts,
-        "kv_bytes_per_token": cache_report["block_bytes"] / block_size,
-        "slot_bytes": cache_report["slot_bytes"],
-        "attn_layers": cfg.num_groups, "gdn_layers": cfg.num_groups * cfg.gdn_per_group,
-        "heads": cfg.num_attention_heads, "head_dim": cfg.head_dim,
-        "gdn_value_heads": cfg.linear_num_value_heads,
-        "gdn_dkdv": cfg.linear_key_head_dim * cfg.linear_value_head_dim,
-    }
-
-
-def step_floor(c: dict, seqs) -> dict:
-    """FLOPs and bytes of one step (its floor's inputs); seqs: [(start, tokens)]."""
-    t = sum(n for _, n in seqs)
-    touched = 1 - (1 - c["expert_share"]) ** t if c["num_experts"] else 0.0
-    nbytes = c["dense_bytes"] + c["head_bytes"] + c["expert_bytes"] * touched
-    flops = 2 * t * (c["dense_params"] + c["expert_params"] * c["expert_share"])
-    flops += 2 * len(seqs) * c["head_params"]
-    flops += t * c["gdn_layers"] * c["gdn_value_heads"] * GDN_FLOPS_PER_DKDV * c["gdn_dkdv"]
-    causal = 0
-    for start, n in seqs:
-        nbytes += (start + n) * c["kv_bytes_per_token"] + n * c["kv_bytes_per_token"]
-        nbytes += c["slot_bytes"] * (2 if start > 0 else 1)
-        causal += n * start + n * (n + 1) // 2  # keys seen, summed over the step's queries
-    flops += 4 * c["heads"] * c["head_dim"] * c["attn_layers"] * causal
-    return {"flops": flops, "bytes": nbytes, "tokens": t, "seqs": len(seqs)}
 
 
 def roofline(costs: dict, ceilings: dict, records, timeline) -> dict:

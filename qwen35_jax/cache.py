@@ -37,6 +37,16 @@ class HybridCache:
     def num_slots(self) -> int:
         return self.ssm.shape[0]
 
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one KV block (every attention layer), over all devices."""
+        return self.kv.nbytes // self.num_blocks
+
+    @property
+    def slot_nbytes(self) -> int:
+        """Bytes of one state slot (conv + recurrent, every GDN layer), over all devices."""
+        return (self.conv.nbytes + self.ssm.nbytes) // self.num_slots
+
     @staticmethod
     def shapes(cfg: Qwen35Config, num_blocks: int, block_size: int, num_slots: int):
         g, r = cfg.num_groups, cfg.gdn_per_group

@@ -4,8 +4,9 @@
     python -m serving --model /ckpt/Qwen3.5-35B-A3B --prefill-workers 1 --decode-workers 1
 
 Starts the prefill and decode workers (``python -m serving.worker``) as child
-processes, waits until each has compiled its programs and answers, then serves
-the OpenAI API on ``--port`` through the router.  Ctrl-C (or SIGTERM) stops the
+processes (on a machine with GPUs, each on its own: worker i, prefill workers
+first, sees GPU i mod the GPU count), waits until each has compiled its
+programs and answers, then serves the OpenAI API on ``--port`` through the router.  Ctrl-C (or SIGTERM) stops the
 server and every worker.  Engine flags are those of ``python -m serving.api``;
 they and the transfer flags of ``python -m serving.worker`` (``--lease-ttl``,
 ``--transfer-timeout``, ``--on-transfer-failure``) are passed to every worker.
@@ -53,14 +54,33 @@ def worker_flags(args, argv: list[str]) -> list[str]:
     return out
 
 
+def gpus() -> list[str]:
+    """The GPUs this process may use, found without starting CUDA (the router needs none):
+    ``CUDA_VISIBLE_DEVICES`` when set, else the NVIDIA driver's device list."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [d.strip() for d in visible.split(",") if d.strip()]
+    try:
+        return [str(i) for i in range(len(os.listdir("/proc/driver/nvidia/gpus")))]
+    except OSError:
+        return []
+
+
 def start_workers(args, flags: list[str]) -> tuple[list[subprocess.Popen], list[str], list[str]]:
+    """Worker i sees only GPU i mod the GPU count (``CUDA_VISIBLE_DEVICES``); NIXL still
+    reaches a peer's memory on another GPU, since CUDA opens IPC handles of devices a
+    process does not see."""
     procs, urls = [], {"prefill": [], "decode": []}
+    devices = gpus()
     for role, n in (("prefill", args.prefill_workers), ("decode", args.decode_workers)):
         for _ in range(n):
             port = free_port()
             cmd = [sys.executable, "-m", "serving.worker", "--role", role, "--port", str(port),
                    *flags]
-            procs.append(subprocess.Popen(cmd, start_new_session=True))
+            env = dict(os.environ)
+            if devices:
+                env["CUDA_VISIBLE_DEVICES"] = devices[len(procs) % len(devices)]
+            procs.append(subprocess.Popen(cmd, start_new_session=True, env=env))
             urls[role].append(f"http://127.0.0.1:{port}")
     return procs, urls["prefill"], urls["decode"]
 

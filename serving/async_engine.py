@@ -283,6 +283,7 @@ class AsyncEngine:
             "num_slots": c.num_slots, "free_slots": m["free_slots"],
             "kv_cache_usage": m["kv_cache_usage"],
             "state_slot_usage": 1 - m["free_slots"] / c.num_slots,
+            "kv_bytes_in_use": m["kv_bytes_in_use"], "state_bytes_in_use": m["state_bytes_in_use"],
             "num_preemptions": m["num_preemptions"],
             "serving_compiles": m["serving_compiles"],
         }

@@ -196,7 +196,8 @@ class Router:
     def stats(self) -> dict:
         """Sums of the workers' counters as of the last health poll."""
         keys = ("num_running", "num_waiting", "num_blocks", "free_blocks", "num_slots",
-                "free_slots", "num_preemptions", "serving_compiles", "transfers",
+                "free_slots", "kv_bytes_in_use", "state_bytes_in_use", "num_preemptions",
+                "serving_compiles", "transfers",
                 "transfer_bytes", "transfer_seconds", "transfer_descriptors", "transfer_failures")
         total = {k: sum(s.get(k, 0) for s in self._stats.values()) for k in keys}
         total["kv_cache_usage"] = 1 - total["free_blocks"] / max(total["num_blocks"], 1)

@@ -28,6 +28,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import os
 import time
 
 import jax
@@ -41,7 +42,7 @@ from serving.engine import Engine, EngineConfig, SamplingParams
 from serving.engine.capacity import plan_capacity
 from serving.kv_transfer import allocate_registered_cache, compat_record
 from serving.llm import load_model
-from transfer import Agent, Faults, TransferManager, TransferParamsError
+from transfer import Agent, Faults, TransferManager, TransferParamsError, free_bytes, size_xla_pool
 
 log = logging.getLogger("serving.worker")
 
@@ -62,7 +63,8 @@ class Worker:
         self.role, self.model_name = role, model_name
         self.transfer_timeout, self.recompute = transfer_timeout, recompute_on_failure
         cfg = model.config
-        self.capacity = plan_capacity(cfg, config, dtype)
+        self.capacity = plan_capacity(cfg, config, dtype,
+                                      budget_bytes=free_bytes(jax.devices()[0]))
         cache, regions, self.layout = allocate_registered_cache(
             cfg, num_blocks=config.num_blocks, block_size=config.block_size,
             num_slots=config.num_slots, dtype=dtype, ssm_dtype=jnp.dtype(config.ssm_dtype))
@@ -230,6 +232,19 @@ class Worker:
         self.transfer.close()
 
 
+def _param_bytes(model: str, dtype: str) -> int:
+    """Bytes of the model's weights, from its shapes (nothing is allocated)."""
+    from flax import nnx
+
+    import qwen35_jax
+    from qwen35_jax.config import Qwen35Config
+
+    cfg = (Qwen35Config.from_json(model) if os.path.isdir(model)
+           else qwen35_jax.get_preset(model))
+    state = nnx.state(qwen35_jax.abstract_model(cfg, jnp.dtype(dtype)))
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+
+
 def _batch_type():
     from qwen35_jax.batch import Batch
 
@@ -352,6 +367,12 @@ def main(argv=None):
     logging.basicConfig(level=a.log_level.upper(),
                         format=f"%(asctime)s {a.role} %(levelname)s %(name)s: %(message)s")
     name = a.model or a.model_tag
+    # The cache regions live beside XLA's pool (transfer/memory.py): size the pool before
+    # JAX starts its GPU client below.
+    total = size_xla_pool(_param_bytes(name, a.dtype or "bfloat16"), a.gpu_memory_utilization)
+    if total:
+        log.info("XLA pool: %s of %.1f GiB", os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"],
+                 total / 2**30)
     dtype = jnp.dtype(a.dtype) if a.dtype else (
         jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
     model = load_model(name, dtype, a.seed)
@@ -362,8 +383,9 @@ def main(argv=None):
                     lease_ttl=a.lease_ttl, transfer_timeout=a.transfer_timeout,
                     recompute_on_failure=a.on_transfer_failure == "recompute",
                     host=a.host, transfer_port=a.transfer_port)
-    log.info("%s worker ready in %.1f s: http %s:%d, transfer %s", a.role,
-             time.perf_counter() - t0, a.host, a.port, worker.transfer.address)
+    log.info("%s worker ready in %.1f s on %s: http %s:%d, transfer %s", a.role,
+             time.perf_counter() - t0, jax.devices()[0], a.host, a.port,
+             worker.transfer.address)
     try:
         uvicorn.run(build_app(worker, fault_injection=a.enable_fault_injection), host=a.host, port=a.port, log_level="warning")
     finally:

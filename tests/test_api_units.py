@@ -132,7 +132,8 @@ class ScriptedEngine:
         return {"num_running": len(self.running), "num_waiting": len(self.waiting),
                 "free_blocks": 4 - len(self.running), "free_slots": 4 - len(self.running),
                 "kv_cache_usage": len(self.running) / 4, "num_preemptions": 0,
-                "serving_compiles": 0}
+                "serving_compiles": 0, "kv_bytes_in_use": 64 * len(self.running),
+                "state_bytes_in_use": 8 * len(self.running)}
 
     def close(self):
         pass

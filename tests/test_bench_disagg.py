@@ -74,7 +74,8 @@ def run(tmp_path_factory):
     port = _free_port_pair()
     args = ["--input-len", "64", "--output-len", "8", "--range-ratio", "0.5", "--ignore-eos",
             "--concurrency", "1", "3", "--num-prompts", "4", "--compare-aggregated",
-            "--port", str(port), "--result-dir", str(out), "--startup-timeout", "600"]
+            "--port", str(port), "--result-dir", str(out), "--startup-timeout", "600",
+            "--roofline", "--ceiling-flags", "--ceiling-mib 8 --matmul-size 128"]
     proc = subprocess.run([sys.executable, "-m", "bench.disagg", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -113,6 +114,23 @@ def test_json_fields_are_consistent(run):
             assert all(math.isfinite(v) and v >= 0 for v in values), (metric, values)
             assert r[f"median_{metric}_ms"] <= r[f"p99_{metric}_ms"]
         assert r["median_ttft_ms"] <= r["median_e2el_ms"]
+
+
+def test_transfers_and_roofline_are_reported(run):
+    """Every disaggregated request moves its cache once (all have more than one output
+    token); the aggregated server moves nothing; each level has a finite floor that the
+    measured throughput does not beat."""
+    _, result, out, _ = run
+    with open(out / "ceilings.json") as f:
+        assert json.load(f)["matmul_flops_per_s"] > 0
+    for r in result["results"]:
+        if r["mode"] == "disaggregated":
+            assert r["transfers"] == r["completed"]
+            assert r["mean_transfer_ms"] > 0 and r["mean_transfer_bytes"] > 0
+        else:
+            assert r["transfers"] == 0 and math.isnan(r["mean_transfer_ms"])
+        assert 0 < r["roofline_share"] < 1 and r["roofline_tokens_per_s_per_gpu"] > 0
+        assert 0 < r["decode_floor_share"] < 1 and r["decode_step_floor_bytes"] > 0
 
 
 def test_prints_vllm_bench_serve_table_and_writes_the_plot(run):

@@ -275,4 +275,23 @@ def test_hold_on_finish_keeps_memory_until_released(engine):
     assert req.output_token_ids == [reference_next(p, VOCAB)]
     assert engine.blocks.num_free == NUM_BLOCKS - len(req.block_ids)
     assert engine.slots.num_free == SLOTS - 1
+    m = engine.metrics()  # the memory gauges count the held blocks and slot
+    assert m["kv_bytes_in_use"] == len(req.block_ids) * BLOCK * 4  # int32 per position
+    assert m["state_bytes_in_use"] == 4
     engine.release(rid)
+
+
+def test_swap_cache_keeps_programs_and_refuses_other_shapes(engine):
+    """The same compiled programs on a fresh cache of the same avals (bench/decode_step.py)
+    give the same tokens without a compile; a cache of another shape is refused."""
+    ps = prompts(3, seed=21)
+    before = [o.token_ids for o in engine.generate(ps, GREEDY)]
+    old = engine.runner.cache
+    with pytest.raises(ValueError, match="compiled for"):
+        engine.runner.swap_cache(FakeCache.allocate(NUM_BLOCKS + 1, BLOCK, SLOTS))
+    engine.runner.swap_cache(FakeCache.allocate(NUM_BLOCKS, BLOCK, SLOTS))
+    try:
+        assert [o.token_ids for o in engine.generate(ps, GREEDY)] == before
+        assert before == [reference_greedy(p, 24, VOCAB) for p in ps]
+    finally:
+        engine.runner.swap_cache(old)

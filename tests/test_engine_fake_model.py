@@ -39,6 +39,14 @@ class FakeCache:
     kv: jax.Array  # i32 [num_blocks, block_size]: the token at each position
     ssm: jax.Array  # i32 [num_slots]: the recurrent hash
 
+    @property
+    def block_nbytes(self) -> int:
+        return self.kv.nbytes // self.kv.shape[0]
+
+    @property
+    def slot_nbytes(self) -> int:
+        return self.ssm.nbytes // self.ssm.shape[0]
+
     @staticmethod
     def allocate(num_blocks: int, block_size: int, num_slots: int) -> "FakeCache":
         # Garbage, not zeros: nothing may rely on fresh memory being zeroed.

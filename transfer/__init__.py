@@ -24,10 +24,11 @@ from transfer.descriptors import DescriptorError, Plan, coalesce, plan
 from transfer.handshake import CompatibilityError, HandshakeError, check_compatible
 from transfer.manager import (Completion, Faults, TransferError, TransferManager,
                               TransferParamsError)
-from transfer.memory import AddressMovedError, Region, allocate, host_view
+from transfer.memory import AddressMovedError, Region, allocate, free_bytes, host_view, size_xla_pool
 
 __all__ = [
     "AddressMovedError", "Agent", "CompatibilityError", "Completion", "DescriptorError", "Faults",
     "HandshakeError", "Plan", "Region", "TransferError", "TransferManager", "TransferParamsError",
-    "allocate", "check_compatible", "coalesce", "host_view", "plan",
+    "allocate", "check_compatible", "coalesce", "free_bytes", "host_view", "plan",
+    "size_xla_pool",
 ]

@@ -42,6 +42,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import math
+import os
 from typing import Any
 
 import jax
@@ -103,6 +104,37 @@ def allocate(name: str, shape: tuple[int, ...], dtype, device: jax.Device | None
     if device.platform == "gpu":
         return _allocate_cuda(name, shape, dtype, device, nbytes)
     raise NotImplementedError(f"no region allocator for platform {device.platform!r}")
+
+
+def size_xla_pool(param_bytes: int, utilization: float) -> int | None:
+    """On a GPU, before JAX starts: cap XLA's memory pool at the weights plus the share
+    ``1 - utilization`` of the device (activations, compiled programs' scratch), so that
+    the regions, allocated beside the pool, get the rest. Returns the device's total
+    bytes, or None without a GPU.
+
+    XLA's pool never shrinks, and grown on demand it over-reserves (by doubling), so an
+    uncapped pool would keep memory the cache needs. Sets
+    ``XLA_PYTHON_CLIENT_MEM_FRACTION``; a value already in the environment wins."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    _, total = torch.cuda.mem_get_info(0)
+    fraction = min(0.95, (param_bytes + (1 - utilization) * total) / total)
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{fraction:.4f}")
+    return total
+
+
+def free_bytes(device: jax.Device, margin: int = 1 << 30) -> int | None:
+    """What a region may still take on ``device``: its free memory less ``margin`` (for
+    CUDA contexts and NIXL) on GPU, where regions live beside XLA's pool; None on CPU
+    (regions are XLA arrays there: ask XLA, or size the cache explicitly)."""
+    if device.platform != "gpu":
+        return None
+    import torch
+
+    free, _ = torch.cuda.mem_get_info(device.local_hardware_id)
+    return free - margin
 
 
 def _allocate_cuda(name, shape, dtype, device, nbytes):

@@ -116,6 +116,10 @@ class _BackendCollector:
                     s["kv_cache_usage"])
         yield gauge("vllm:state_slot_usage_perc", "Share of GDN state slots in use (1 = full)",
                     s["state_slot_usage"])
+        yield gauge("vllm:kv_cache_bytes_in_use", "Bytes of the KV blocks in use (summed over "
+                    "workers)", s.get("kv_bytes_in_use", 0))
+        yield gauge("vllm:state_bytes_in_use", "Bytes of the GDN state slots in use (summed "
+                    "over workers)", s.get("state_bytes_in_use", 0))
         yield counter("vllm:num_preemptions", "Preempted requests", s["num_preemptions"])
         yield counter("vllm:compiles_during_serving", "XLA compilations inside serving steps "
                       "(should stay 0: a shape escaped the start-up buckets)",

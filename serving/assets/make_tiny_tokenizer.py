@@ -12,6 +12,13 @@ depend on what else is in the repository and rerunning the script reproduces
 them byte for byte:
 
     python serving/assets/make_tiny_tokenizer.py   # writes serving/assets/tiny/
+
+Random-weight presets of a real vocabulary (35B-A3B: 248,320 ids) have no
+tokenizer either; ``--vocab-size N --out DIR`` pads the same BPE with filler
+tokens ``" w<id>"`` up to N ids, so that every id the model can sample decodes to
+text (a streaming server sends a chunk only when there is text to send):
+
+    python serving/assets/make_tiny_tokenizer.py --vocab-size 248320 --out /tmp/tok
 """
 
 import json
@@ -55,6 +62,16 @@ def corpus(num_lines: int = 4000, seed: int = 0) -> list[str]:
     return lines
 
 
+def pad(tok: Tokenizer, vocab_size: int) -> Tokenizer:
+    """``tok`` with filler tokens up to ``vocab_size`` ids: byte-level strings "Ġw<id>"
+    (" w<id>" once decoded) that no merge produces, so encoding is unchanged."""
+    spec = json.loads(tok.to_str())
+    vocab = spec["model"]["vocab"]
+    for i in range(len(vocab), vocab_size):
+        vocab[f"\u0120w{i}"] = i
+    return Tokenizer.from_str(json.dumps(spec))
+
+
 def build() -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -88,10 +105,13 @@ def tokenizer_config() -> dict:
     }
 
 
-def main(out_dir: str | None = None) -> str:
+def main(out_dir: str | None = None, vocab_size: int = VOCAB_SIZE) -> str:
     out_dir = out_dir or os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny")
     os.makedirs(out_dir, exist_ok=True)
-    build().save(os.path.join(out_dir, "tokenizer.json"))
+    tok = build()
+    if vocab_size > VOCAB_SIZE:
+        tok = pad(tok, vocab_size)
+    tok.save(os.path.join(out_dir, "tokenizer.json"))
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
         json.dump(tokenizer_config(), f, indent=2)
         f.write("\n")
@@ -99,4 +119,11 @@ def main(out_dir: str | None = None) -> str:
 
 
 if __name__ == "__main__":
-    print("wrote", main())
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=None, help="default: serving/assets/tiny/")
+    p.add_argument("--vocab-size", type=int, default=VOCAB_SIZE)
+    a = p.parse_args()
+    print("wrote", main(a.out, a.vocab_size))

@@ -79,6 +79,7 @@ class Engine:
         log.info("engine ready: %d programs compiled in %.1f s, %d blocks x %d tokens, %d slots",
                  len(c.buckets.all_shapes()), self.warmup_seconds, c.num_blocks, c.block_size,
                  c.num_slots)
+        self._block_bytes, self._slot_bytes = cache.block_nbytes, cache.slot_nbytes
         self.requests: dict[str, Request] = {}
         self._inflight: deque = deque()  # (seq, SchedulerOutput, SampleResult)
         self._rng = np.random.default_rng(c.seed)
@@ -188,7 +189,11 @@ class Engine:
                  num_preemptions=self.scheduler.num_preemptions,
                  num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
                  free_blocks=self.blocks.num_free, free_slots=self.slots.num_free,
-                 kv_cache_usage=1 - self.blocks.num_free / self.blocks.num_blocks)
+                 kv_cache_usage=1 - self.blocks.num_free / self.blocks.num_blocks,
+                 kv_bytes_in_use=(self.blocks.num_blocks - self.blocks.num_free)
+                 * self._block_bytes,
+                 state_bytes_in_use=(self.slots.num_slots - self.slots.num_free)
+                 * self._slot_bytes)
         if self.idle_timer:
             m.update(self.idle_timer.summary())
         return m

@@ -117,6 +117,16 @@ class Runner:
         arrays = jax.tree.leaves((self.cache, self.last_token))
         return [s.data.unsafe_buffer_pointer() for a in arrays for s in a.addressable_shards]
 
+    def swap_cache(self, cache) -> None:
+        """Run the same compiled programs on another cache of identical shapes and dtypes
+        (bench/decode_step.py compares cache memory kinds this way). Only between steps."""
+        old = jax.tree.map(lambda x: (x.shape, x.dtype), self.cache)
+        new = jax.tree.map(lambda x: (x.shape, x.dtype), cache)
+        if old != new:
+            raise ValueError(f"cache of {new} for programs compiled for {old}")
+        self.cache = cache
+        self._addresses = self.addresses()
+
     def check_addresses(self) -> None:
         """Raise if a donated buffer moved (the in-place update was not honoured).
         Call only when no step is in flight: it waits for the buffers."""

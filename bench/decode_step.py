@@ -1,0 +1,148 @@
+"""Decode step time of one engine, A/B in one process: which part of the serving stack
+makes a decode worker's step slower than the aggregated engine's?
+
+    python -m bench.decode_step --preset 35B-A3B --seqs 16 64 --steps 64
+
+Measured on 2xH200 (bench/RESULTS.md, issue 8): the decode worker's steps took about
+85 ms at 16 and at 64 sequences, where the aggregated engine took 63 ms at 64. The
+worker differs from the aggregated server in two ways, and this benchmark times each
+alone, against the plain engine, with the same compiled programs:
+
+* ``cache``: the registered cache (``serving.kv_transfer.allocate_registered_cache``:
+  on GPU cudaMalloc'd memory imported through DLPack) instead of XLA's own arrays;
+* ``loop``: the engine driven by ``AsyncEngine`` (its thread, command inbox, output
+  delivery to asyncio streams) instead of ``Engine.generate`` on the caller's thread.
+
+Each case runs ``seqs`` greedy requests of ``--prompt-len`` tokens twice, once for one
+token and once for ``1 + steps`` tokens (``ignore_eos``); a decode step costs the
+difference over ``steps`` (median of three such pairs), so prefill and start-up cancel. The caches are swapped under
+the same engine (``Runner.swap_cache``: same shapes and dtypes, so no recompile).
+First it counts the copies of a whole cache array in the compiled programs (none on CPU).
+"""
+
+import argparse
+import asyncio
+import json
+import re
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from serving.async_engine import AsyncEngine
+from serving.engine import Engine, EngineConfig, SamplingParams
+from serving.engine.buckets import Buckets
+from serving.engine.capacity import allocate_cache
+from serving.kv_transfer import allocate_registered_cache
+from serving.llm import load_model
+
+
+def full_cache_copies(runner) -> dict:
+    """Per compiled program and cache array, the ``copy`` instructions that produce the
+    whole array: each one costs a read and a write of the pool per step (an in-place
+    update the compiler did not manage). Read from the optimized HLO."""
+    out = {}
+    for key, program in runner._programs.items():
+        text = program.as_text()
+        for name in ("kv", "conv", "ssm"):
+            shape = ",".join(map(str, getattr(runner.cache, name).shape))
+            pattern = re.compile(r"\[" + shape + r"\](\{[^}]*\})? copy\(")
+            out[f"{'decode' if key[0] else 'prefill'} {key[1]}x{key[2]} {name}"] = sum(
+                bool(pattern.search(line)) for line in text.splitlines())
+    return out
+
+
+def run_sync(engine: Engine, prompts, max_tokens: int) -> float:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    t0 = time.perf_counter()
+    engine.generate(prompts, [params] * len(prompts))
+    return time.perf_counter() - t0
+
+
+def run_async(engine: Engine, prompts, max_tokens: int) -> float:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+    async def main():
+        front = AsyncEngine(engine)
+        try:
+            async def one(i, p):
+                async for _ in front.generate(f"r{i}-{max_tokens}", p, params):
+                    pass
+
+            t0 = time.perf_counter()
+            await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+            return time.perf_counter() - t0
+        finally:
+            front.shutdown()  # stops its thread; the engine stays usable for the next case
+
+    return asyncio.run(main())
+
+
+def step_seconds(run, engine, prompts, steps: int, repeats: int = 3) -> float:
+    """Median over `repeats` of (time for 1 + steps tokens - time for 1 token) / steps."""
+    run(engine, prompts, 1 + steps)  # warm: first dispatch of each shape
+    return float(np.median([(run(engine, prompts, 1 + steps) - run(engine, prompts, 1)) / steps
+                            for _ in range(repeats)]))
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(prog="python -m bench.decode_step", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--seqs", type=int, nargs="+", default=[4])
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--max-model-len", type=int, default=9216,
+                   help="sizes the caches (and so what a whole-cache copy would cost)")
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+
+    on_cpu = jax.default_backend() == "cpu"
+    dtype = jnp.float32 if on_cpu else jnp.bfloat16
+    seqs = max(a.seqs)
+    tokens = max(a.prompt_len, 64) * seqs
+    model = load_model(a.preset, dtype, 0)
+    config = EngineConfig(max_num_seqs=seqs, max_num_batched_tokens=tokens,
+                          max_model_len=a.max_model_len, block_size=a.block_size,
+                          num_blocks=seqs * -(-a.max_model_len // a.block_size),
+                          eos_token_ids=tuple(model.config.eos_token_ids),
+                          buckets=Buckets((tokens,), (seqs,), tuple(sorted(set(a.seqs)))))
+    caches = {
+        "xla": lambda: allocate_cache(model.config, config, dtype),
+        "registered": lambda: allocate_registered_cache(
+            model.config, num_blocks=config.num_blocks, block_size=config.block_size,
+            num_slots=config.num_slots, dtype=dtype)[0],
+    }
+    engine = Engine(model, caches["xla"](), config)
+    copies = full_cache_copies(engine.runner)
+    print("whole-cache copies per step:", {k: v for k, v in copies.items() if v} or "none")
+    rng = np.random.default_rng(0)
+    rows = []
+    for cache_kind in ("xla", "registered"):
+        if cache_kind != "xla":
+            engine.runner.swap_cache(caches[cache_kind]())
+        for loop, run in (("engine", run_sync), ("async", run_async)):
+            for n in a.seqs:
+                prompts = [rng.integers(3, 500, a.prompt_len).tolist() for _ in range(n)]
+                s = step_seconds(run, engine, prompts, a.steps)
+                rows.append({"cache": cache_kind, "loop": loop, "seqs": n, "step_ms": 1e3 * s})
+                print(f"cache {cache_kind:>10}  loop {loop:>6}  seqs {n:>4}  "
+                      f"decode step {1e3 * s:8.2f} ms", flush=True)
+    base = {r["seqs"]: r["step_ms"] for r in rows if r["cache"] == "xla" and r["loop"] == "engine"}
+    print("| cache | loop | seqs | decode step ms | vs xla + engine |\n|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['cache']} | {r['loop']} | {r['seqs']} | {r['step_ms']:.2f} | "
+              f"{r['step_ms'] / base[r['seqs']]:.2f}x |")
+    result = {"preset": a.preset, "device": jax.devices()[0].device_kind,
+              "cache_gib": {"kv": config.num_blocks * engine.runner.cache.block_nbytes / 2**30},
+              "whole_cache_copies": copies, "rows": rows}
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()
