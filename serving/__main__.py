@@ -9,7 +9,9 @@ first, sees GPU i mod the GPU count), waits until each has compiled its
 programs and answers, then serves the OpenAI API on ``--port`` through the router.  Ctrl-C (or SIGTERM) stops the
 server and every worker.  Engine flags are those of ``python -m serving.api``;
 they and the transfer flags of ``python -m serving.worker`` (``--lease-ttl``,
-``--transfer-timeout``, ``--on-transfer-failure``) are passed to every worker.
+``--transfer-timeout``, ``--on-transfer-failure``) are passed to every worker, and
+``--prefill-args`` / ``--decode-args`` add flags for one role (its own batch limits
+or mesh, say).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -40,7 +43,8 @@ def free_port() -> int:
 def worker_flags(args, argv: list[str]) -> list[str]:
     """The engine flags given on our command line, passed through to the workers."""
     ours = {"--prefill-workers", "--decode-workers", "--port", "--host", "--startup-timeout",
-            "--served-model-name", "--max-queued-requests", "--tokenizer"}
+            "--served-model-name", "--max-queued-requests", "--tokenizer", "--prefill-args",
+            "--decode-args"}
     out, skip = [], False
     for i, a in enumerate(argv):
         if skip:
@@ -76,7 +80,7 @@ def start_workers(args, flags: list[str]) -> tuple[list[subprocess.Popen], list[
         for _ in range(n):
             port = free_port()
             cmd = [sys.executable, "-m", "serving.worker", "--role", role, "--port", str(port),
-                   *flags]
+                   *flags, *shlex.split(getattr(args, f"{role}_args"))]
             env = dict(os.environ)
             if devices:
                 env["CUDA_VISIBLE_DEVICES"] = devices[len(procs) % len(devices)]
@@ -122,6 +126,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-workers", type=int, default=1)
     p.add_argument("--decode-workers", type=int, default=1)
     p.add_argument("--startup-timeout", type=float, default=900.0)
+    p.add_argument("--prefill-args", default="",
+                   help="flags for the prefill workers only, after the shared ones (which "
+                        "they override), e.g. '--tp 2 --max-num-seqs 8'")
+    p.add_argument("--decode-args", default="", help="the same for the decode workers")
     return p
 
 

@@ -89,3 +89,26 @@ def test_sigterm_with_a_stream_open_stops_every_process(server):
     proc.wait(timeout=60)
     gone, alive = psutil.wait_procs(children, timeout=30)
     assert not alive, [c.cmdline() for c in alive]
+
+
+def test_role_args_reach_only_their_role(monkeypatch):
+    """Shared engine flags reach every worker; --prefill-args / --decode-args only their
+    role, after the shared ones (argparse: the later flag wins); launcher flags none."""
+    import serving.__main__ as launcher
+
+    argv = ["--model", "tiny", "--port", "8000", "--max-num-seqs", "4", "--decode-workers", "2",
+            "--prefill-args", "--max-num-seqs 8 --tp 2", "--decode-args=--ep 2"]
+    args, _ = launcher.parser().parse_known_args(argv)
+    started = []
+    monkeypatch.setattr(launcher.subprocess, "Popen",
+                        lambda cmd, **kw: started.append((cmd, kw.get("env", {}))) or object())
+    monkeypatch.setattr(launcher, "gpus", lambda: ["0", "1"])
+    _, prefill, decode = launcher.start_workers(args, launcher.worker_flags(args, argv))
+    assert len(prefill) == 1 and len(decode) == 2
+    tails = [cmd[cmd.index("--port") + 2:] for cmd, _ in started]
+    assert tails == [["--model", "tiny", "--max-num-seqs", "4", "--max-num-seqs", "8", "--tp", "2"],
+                     ["--model", "tiny", "--max-num-seqs", "4", "--ep", "2"],
+                     ["--model", "tiny", "--max-num-seqs", "4", "--ep", "2"]]
+    assert [cmd[cmd.index("--role") + 1] for cmd, _ in started] == ["prefill", "decode", "decode"]
+    # one GPU each, round robin over the two
+    assert [env["CUDA_VISIBLE_DEVICES"] for _, env in started] == ["0", "1", "0"]
