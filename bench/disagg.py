@@ -16,8 +16,9 @@ defaults pad every prefill step to 8 sequences, which makes a 64-token prompt
 cost about five times more than it must on a CPU.
 
 Requests are streamed completions of random token ids (``/v1/completions``,
-``stream_options.include_usage``), sent all at once under ``--max-concurrency
-C`` semantics: at most C in flight.  Lengths are drawn uniformly from
+``stream_options.include_usage``), sent all at once (or at ``--request-rate``
+per second, Poisson) under ``--max-concurrency C`` semantics: at most C in
+flight.  Lengths are drawn uniformly from
 ``[int(r*L), L]`` (sa-bench, the default convention) or from
 ``[floor((1-r)*L), ceil((1+r)*L)]`` (vLLM's ``--random-range-ratio``;
 ``--range-convention vllm``); the default ratio gives fixed lengths in both.
@@ -174,10 +175,24 @@ async def watch(client: httpx.AsyncClient, url: str, done: asyncio.Event,
     return peak
 
 
+def arrivals(n: int, rate: float, seed) -> list[float]:
+    """Seconds after the start at which each of `n` requests is sent: all at once for an
+    infinite rate, else a Poisson process of `rate` requests/s (vLLM's `--request-rate`,
+    burstiness 1)."""
+    if math.isinf(rate):
+        return [0.0] * n
+    if rate <= 0:
+        raise ValueError(f"request rate must be positive, got {rate}")
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, n)
+    return (np.cumsum(gaps) - gaps[0]).tolist()
+
+
 async def run_level(url: str, model: str, data, concurrency: int, ignore_eos: bool,
-                    desc: str) -> tuple[list[Result], float, dict]:
-    """All requests at once, at most `concurrency` in flight; (results in data order,
-    seconds, server figures: peak memory in use and the transfer counters' increase)."""
+                    desc: str, sent_at: list[float] | None = None
+                    ) -> tuple[list[Result], float, dict]:
+    """Request i is sent `sent_at[i]` seconds after the start (default: all at once), and
+    waits there while `concurrency` are in flight; (results in data order, seconds, server
+    figures: peak memory in use and the transfer counters' increase)."""
     sem = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0, connect=30.0),
                                  limits=httpx.Limits(max_connections=None)) as client:
@@ -185,14 +200,16 @@ async def run_level(url: str, model: str, data, concurrency: int, ignore_eos: bo
         done = asyncio.Event()
         watcher = asyncio.create_task(watch(client, url, done))
         with tqdm(total=len(data), desc=desc, unit="req", disable=not desc) as bar:
-            async def guarded(prompt, max_tokens):
+            async def guarded(prompt, max_tokens, at):
+                await asyncio.sleep(at - (time.perf_counter() - t0))
                 async with sem:
                     r = await one(client, url, model, prompt, max_tokens, ignore_eos)
                 bar.update(1)
                 return r
 
             t0 = time.perf_counter()
-            results = await asyncio.gather(*(guarded(p, o) for p, o in data))
+            results = await asyncio.gather(*(guarded(p, o, at) for (p, o), at in
+                                             zip(data, sent_at or [0.0] * len(data))))
             duration = time.perf_counter() - t0
         done.set()
         server = await watcher
@@ -423,8 +440,9 @@ def run_mode(mode: str, url: str, args, num_gpus: int, roof: tuple | None,
         n = args.num_prompts or args.prompts_per_concurrency * c
         data = dataset(n, args.input_len, args.output_len, args.range_ratio,
                        args.range_convention, args.vocab_size, seed=[args.seed, c])
-        results, duration, server = asyncio.run(run_level(url, name, data, c, args.ignore_eos,
-                                                          f"{mode} C={c}"))
+        results, duration, server = asyncio.run(run_level(
+            url, name, data, c, args.ignore_eos, f"{mode} C={c}",
+            arrivals(len(data), args.request_rate, [args.seed, c])))
         s = {"mode": mode, **summarise(results, duration, c, num_gpus, server)}
         if roof is not None:
             s.update(roofline_figures(mode, s, results, roof))
@@ -472,6 +490,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--range-convention", choices=["sa", "vllm"], default="sa",
                    help="sa: [int(r*L), L] (sa-bench); vllm: [floor((1-r)L), ceil((1+r)L)]")
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="requests/s, Poisson arrivals (default inf: all at once, each "
+                        "waiting for a free place under --concurrency)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--num-prompts", type=int, default=None,
                    help="per concurrency level; default: --prompts-per-concurrency x C")

@@ -15,7 +15,7 @@ import numpy as np
 import psutil
 import pytest
 
-from bench.disagg import dataset, length_bounds
+from bench.disagg import arrivals, dataset, length_bounds
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -32,6 +32,17 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ])
 def test_length_bounds(length, ratio, convention, bounds):
     assert length_bounds(length, ratio, convention) == bounds
+
+
+def test_arrivals_all_at_once_or_poisson():
+    assert arrivals(5, float("inf"), 0) == [0.0] * 5
+    at = np.asarray(arrivals(20000, 4.0, [0, 1]))
+    gaps = np.diff(at)
+    assert at[0] == 0.0 and (gaps >= 0).all()
+    assert abs(gaps.mean() - 0.25) < 0.01 and abs(gaps.std() - 0.25) < 0.01  # exponential
+    assert arrivals(3, 4.0, [0, 1]) == arrivals(3, 4.0, [0, 1])
+    with pytest.raises(ValueError, match="positive"):
+        arrivals(3, 0.0, 0)
 
 
 @pytest.mark.parametrize("ratio, convention", [(1.5, "sa"), (-0.1, "sa"), (1.0, "vllm"),
