@@ -43,9 +43,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
-import math
 import os
 import signal
 import subprocess
@@ -53,10 +51,9 @@ import sys
 import time
 
 import httpx
-import numpy as np
-from prometheus_client.parser import text_string_to_metric_families
-from tqdm.auto import tqdm
 
+from bench.load import arrivals, dataset, length_bounds, run_level
+from bench.report import plot, roofline_figures, summarise, summary, table
 from serving.__main__ import gpus
 from serving.__main__ import parser as stack_parser
 
@@ -69,259 +66,6 @@ _ENGINE_FLAGS = {"--max-num-seqs", "--max-num-batched-tokens", "--max-model-len"
                  "--num-blocks", "--prefill-token-buckets", "--prefill-seq-buckets",
                  "--decode-seq-buckets"}
 _TINY = {"tiny", "tiny-moe"}
-MEMORY_GAUGES = ("vllm:kv_cache_bytes_in_use", "vllm:state_bytes_in_use")
-TRANSFER_COUNTERS = ("vllm:kv_transfers_total", "vllm:kv_transfer_seconds_total",
-                     "vllm:kv_transfer_bytes_total")
-
-
-def length_bounds(length: int, ratio: float, convention: str) -> tuple[int, int]:
-    """Inclusive [lo, hi] of one length: sa-bench's ``randint(int(L*r), L+1)`` or
-    vLLM's ``[floor(L*(1-r)), ceil(L*(1+r))]``; never below 1 token."""
-    if convention == "sa":
-        if not 0.0 <= ratio <= 1.0:
-            raise ValueError(f"sa-bench range ratio must be in [0, 1], got {ratio}")
-        lo, hi = int(length * ratio), length
-    elif convention == "vllm":
-        if not 0.0 <= ratio < 1.0:
-            raise ValueError(f"vLLM range ratio must be in [0, 1), got {ratio}")
-        lo, hi = math.floor(length * (1 - ratio)), math.ceil(length * (1 + ratio))
-    else:
-        raise ValueError(f"unknown range convention {convention!r}")
-    return max(lo, 1), max(hi, 1)
-
-
-def dataset(n: int, input_len: int, output_len: int, ratio: float, convention: str,
-            vocab_size: int, seed) -> list[tuple[list[int], int]]:
-    """n (prompt token ids, max_tokens) pairs; ids avoid 0-2 (special in small vocabularies).
-    `seed`: anything `np.random.default_rng` takes (the runs use [seed, concurrency])."""
-    rng = np.random.default_rng(seed)
-    lo, hi = length_bounds(input_len, ratio, convention)
-    ins = rng.integers(lo, hi + 1, n)
-    lo, hi = length_bounds(output_len, ratio, convention)
-    outs = rng.integers(lo, hi + 1, n)
-    return [(rng.integers(3, vocab_size, int(i)).tolist(), int(o)) for i, o in zip(ins, outs)]
-
-
-@dataclasses.dataclass
-class Result:
-    prompt_tokens: int
-    ok: bool = False
-    output_tokens: int = 0
-    ttft: float = 0.0
-    latency: float = 0.0
-    itl: list = dataclasses.field(default_factory=list)
-    error: str = ""
-
-
-async def one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int],
-              max_tokens: int, ignore_eos: bool) -> Result:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "ignore_eos": ignore_eos, "stream": True, "stream_options": {"include_usage": True}}
-    res = Result(prompt_tokens=len(prompt))
-    start = last = time.perf_counter()
-    try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
-                return res
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("error"):
-                    res.error = str(chunk["error"])[:200]
-                elif chunk.get("choices"):
-                    now = time.perf_counter()
-                    if res.ttft == 0.0:
-                        res.ttft = now - start
-                    else:
-                        res.itl.append(now - last)
-                    last = now
-                elif chunk.get("usage"):
-                    res.output_tokens = chunk["usage"]["completion_tokens"]
-        res.latency = last - start
-        res.ok = not res.error and res.ttft > 0.0 and res.output_tokens > 0
-        if not res.ok and not res.error:
-            res.error = "stream ended without output or usage"
-    except httpx.HTTPError as e:
-        res.error = repr(e)
-    return res
-
-
-async def scrape(client: httpx.AsyncClient, url: str) -> dict[str, float]:
-    """The server's Prometheus samples, summed over labels, by sample name."""
-    r = await client.get(f"{url}/metrics", timeout=5.0)
-    r.raise_for_status()
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(r.text):
-        for sample in family.samples:
-            out[sample.name] = out.get(sample.name, 0.0) + sample.value
-    return out
-
-
-async def watch(client: httpx.AsyncClient, url: str, done: asyncio.Event,
-                interval: float = 0.5) -> dict[str, float]:
-    """Peaks of the memory gauges while the level runs (as fresh as the server's own
-    view: the router polls its workers once a second)."""
-    peak = dict.fromkeys(MEMORY_GAUGES, 0.0)
-    while not done.is_set():
-        m = await scrape(client, url)
-        for k in peak:
-            peak[k] = max(peak[k], m.get(k, 0.0))
-        try:
-            await asyncio.wait_for(done.wait(), interval)
-        except asyncio.TimeoutError:
-            pass
-    return peak
-
-
-def arrivals(n: int, rate: float, seed) -> list[float]:
-    """Seconds after the start at which each of `n` requests is sent: all at once for an
-    infinite rate, else a Poisson process of `rate` requests/s (vLLM's `--request-rate`,
-    burstiness 1)."""
-    if math.isinf(rate):
-        return [0.0] * n
-    if rate <= 0:
-        raise ValueError(f"request rate must be positive, got {rate}")
-    gaps = np.random.default_rng(seed).exponential(1.0 / rate, n)
-    return (np.cumsum(gaps) - gaps[0]).tolist()
-
-
-async def run_level(url: str, model: str, data, concurrency: int, ignore_eos: bool,
-                    desc: str, sent_at: list[float] | None = None
-                    ) -> tuple[list[Result], float, dict]:
-    """Request i is sent `sent_at[i]` seconds after the start (default: all at once), and
-    waits there while `concurrency` are in flight; (results in data order, seconds, server
-    figures: peak memory in use and the transfer counters' increase)."""
-    sem = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0, connect=30.0),
-                                 limits=httpx.Limits(max_connections=None)) as client:
-        before = await scrape(client, url)
-        done = asyncio.Event()
-        watcher = asyncio.create_task(watch(client, url, done))
-        with tqdm(total=len(data), desc=desc, unit="req", disable=not desc) as bar:
-            async def guarded(prompt, max_tokens, at):
-                await asyncio.sleep(at - (time.perf_counter() - t0))
-                async with sem:
-                    r = await one(client, url, model, prompt, max_tokens, ignore_eos)
-                bar.update(1)
-                return r
-
-            t0 = time.perf_counter()
-            results = await asyncio.gather(*(guarded(p, o, at) for (p, o), at in
-                                             zip(data, sent_at or [0.0] * len(data))))
-            duration = time.perf_counter() - t0
-        done.set()
-        server = await watcher
-        await asyncio.sleep(1.5)  # the router's counters lag its workers' by one poll
-        after = await scrape(client, url)
-    for k in TRANSFER_COUNTERS:
-        server[k] = after.get(k, 0.0) - before.get(k, 0.0)
-    return results, duration, server
-
-
-def _stats(name: str, seconds: list[float]) -> dict:
-    xs = np.asarray(seconds, dtype=float) * 1e3
-    if not len(xs):
-        return {f"{s}_{name}_ms": float("nan") for s in ("mean", "median", "std", "p99")}
-    return {f"mean_{name}_ms": float(xs.mean()), f"median_{name}_ms": float(np.median(xs)),
-            f"std_{name}_ms": float(xs.std()), f"p99_{name}_ms": float(np.percentile(xs, 99))}
-
-
-def summarise(results: list[Result], duration: float, concurrency: int, num_gpus: int,
-              server: dict) -> dict:
-    """vLLM's `calculate_metrics` over the successful requests, plus throughput per GPU
-    and the server's figures (peak KV and state bytes in use, transfers)."""
-    ok = [r for r in results if r.ok]
-    tin = sum(r.prompt_tokens for r in ok)
-    tout = sum(r.output_tokens for r in ok)
-    transfers = server.get("vllm:kv_transfers_total", 0.0)
-    return {
-        "peak_kv_bytes": server.get("vllm:kv_cache_bytes_in_use", 0.0),
-        "peak_state_bytes": server.get("vllm:state_bytes_in_use", 0.0),
-        "transfers": transfers,
-        "mean_transfer_ms": (1e3 * server.get("vllm:kv_transfer_seconds_total", 0.0)
-                             / transfers if transfers else float("nan")),
-        "mean_transfer_bytes": (server.get("vllm:kv_transfer_bytes_total", 0.0) / transfers
-                                if transfers else float("nan")),
-        "max_concurrency": concurrency, "num_gpus": num_gpus, "duration": duration,
-        "completed": len(ok), "failed": len(results) - len(ok),
-        "errors": sorted({r.error for r in results if not r.ok})[:5],
-        "total_input_tokens": tin, "total_output_tokens": tout,
-        "request_throughput": len(ok) / duration, "output_throughput": tout / duration,
-        "total_token_throughput": (tin + tout) / duration,
-        "total_token_throughput_per_gpu": (tin + tout) / duration / num_gpus,
-        **_stats("ttft", [r.ttft for r in ok]),
-        **_stats("tpot", [(r.latency - r.ttft) / (r.output_tokens - 1)
-                          for r in ok if r.output_tokens > 1]),
-        **_stats("itl", [x for r in ok for x in r.itl]),
-        **_stats("e2el", [r.latency for r in ok]),
-        "input_lens": [r.prompt_tokens for r in results],
-        "output_lens": [r.output_tokens for r in results],
-        "chunks": [len(r.itl) + 1 if r.ok else 0 for r in results],  # streamed with choices
-        "ttfts": [r.ttft for r in results],
-    }
-
-
-def table(s: dict) -> str:
-    """The result block of `vllm bench serve`, with the mode and per-GPU throughput added."""
-    line = "{:<40} {:<10}".format
-    out = ["{:=^50}".format(" Serving Benchmark Result "),
-           line("Mode:", s["mode"]),
-           line("Successful requests:", s["completed"]),
-           line("Failed requests:", s["failed"]),
-           line("Maximum request concurrency:", s["max_concurrency"]),
-           line("Benchmark duration (s):", f"{s['duration']:.2f}"),
-           line("Total input tokens:", s["total_input_tokens"]),
-           line("Total generated tokens:", s["total_output_tokens"]),
-           line("Request throughput (req/s):", f"{s['request_throughput']:.2f}"),
-           line("Output token throughput (tok/s):", f"{s['output_throughput']:.2f}"),
-           line("Total Token throughput (tok/s):", f"{s['total_token_throughput']:.2f}"),
-           line("Total token throughput per GPU (tok/s):",
-                f"{s['total_token_throughput_per_gpu']:.2f}")]
-    out += [line("Peak KV + state in use (GiB):",
-                 f"{s['peak_kv_bytes'] / 2**30:.2f} + {s['peak_state_bytes'] / 2**30:.2f}")]
-    if s["transfers"]:
-        out += [line("Transfers (mean ms, MiB per request):",
-                     f"{s['transfers']:.0f} ({s['mean_transfer_ms']:.1f}, "
-                     f"{s['mean_transfer_bytes'] / 2**20:.1f})")]
-    if "roofline_tokens_per_s_per_gpu" in s:
-        out += [line("Roofline tok/s per GPU (share):",
-                     f"{s['roofline_tokens_per_s_per_gpu']:.0f} ({s['roofline_share']:.0%})"),
-                line("Prefill floor tok/s per GPU:", f"{s['prefill_floor_tokens_per_s']:.0f}"),
-                line("Decode step floor ms (of median TPOT):",
-                     f"{s['decode_step_floor_ms']:.1f} ({s['decode_floor_share']:.0%})")]
-    for title, key, short in (("Time to First Token", "ttft", "TTFT"),
-                              ("Time per Output Token (excl. 1st token)", "tpot", "TPOT"),
-                              ("Inter-token Latency", "itl", "ITL")):
-        out.append("{:-^50}".format(title))
-        for stat, label in (("mean", "Mean"), ("median", "Median"), ("p99", "P99")):
-            out.append(line(f"{label} {short} (ms):", f"{s[f'{stat}_{key}_ms']:.2f}"))
-    out += [f"errors: {e}" for e in s["errors"]]
-    return "\n".join(out + ["=" * 50])
-
-
-def summary(rows: list[dict]) -> str:
-    """One line per run: the sweep at a glance (Markdown)."""
-    head = ("| mode | C | ok/all | duration s | req/s | out tok/s | total tok/s | tok/s/GPU "
-            "| TTFT med/p99 ms | TPOT med/p99 ms | ITL med/p99 ms | peak KV+state GiB "
-            "| transfer ms/req | roofline tok/s/GPU (share) | decode floor ms (of TPOT) |")
-    out = [head, "|" + "---|" * (head.count("|") - 1)]
-    for s in rows:
-        out.append(
-            f"| {s['mode']} | {s['max_concurrency']} | {s['completed']}/"
-            f"{s['completed'] + s['failed']} | {s['duration']:.1f} | "
-            f"{s['request_throughput']:.2f} | {s['output_throughput']:.1f} | "
-            f"{s['total_token_throughput']:.1f} | {s['total_token_throughput_per_gpu']:.1f} | "
-            f"{s['median_ttft_ms']:.0f} / {s['p99_ttft_ms']:.0f} | "
-            f"{s['median_tpot_ms']:.1f} / {s['p99_tpot_ms']:.1f} | "
-            f"{s['median_itl_ms']:.1f} / {s['p99_itl_ms']:.1f} | "
-            f"{(s['peak_kv_bytes'] + s['peak_state_bytes']) / 2**30:.2f} | "
-            f"{s['mean_transfer_ms']:.1f} | " + (
-                f"{s['roofline_tokens_per_s_per_gpu']:.0f} ({s['roofline_share']:.0%}) | "
-                f"{s['decode_step_floor_ms']:.1f} ({s['decode_floor_share']:.0%}) |"
-                if "roofline_share" in s else "- | - |"))
-    return "\n".join(out)
 
 
 def start_server(cmd: list[str], url: str, timeout: float, env: dict | None = None
@@ -362,29 +106,6 @@ def served_model(url: str) -> tuple[str, int]:
     """The served model's name and context length."""
     card = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]
     return card["id"], int(card["max_model_len"])
-
-
-def roofline_figures(mode: str, s: dict, results: list[Result], roof: tuple) -> dict:
-    """The level's floor (bench.roofline.serving_floor) beside what it reached: total
-    tokens/s per GPU, and the decode step floor against the median TPOT.  The
-    disaggregated floor is that of one prefill and one decode device."""
-    from bench.roofline import serving_floor
-
-    costs, ceilings = roof
-    ok = [r for r in results if r.ok]
-    if not ok:
-        return {}
-    f = serving_floor(costs, ceilings, [r.prompt_tokens for r in ok],
-                      [r.output_tokens for r in ok], s["max_concurrency"])
-    per_gpu = (f["disaggregated_tokens_per_s_per_gpu"] if mode == "disaggregated"
-               else f["aggregated_tokens_per_s"])
-    return {"roofline_tokens_per_s_per_gpu": per_gpu,
-            "roofline_share": s["total_token_throughput_per_gpu"] / per_gpu,
-            "prefill_floor_tokens_per_s": f["prefill_tokens_per_s"],
-            "decode_step_floor_ms": 1e3 * f["decode_step_s"],
-            "decode_step_floor_bytes": f["decode_step_bytes"],
-            "decode_floor_share": (1e3 * f["decode_step_s"] / s["median_tpot_ms"]
-                                   if s["median_tpot_ms"] > 0 else float("nan"))}
 
 
 def filler_tokenizer(model: str, result_dir: str) -> list[str]:
@@ -448,34 +169,6 @@ def run_mode(mode: str, url: str, args, num_gpus: int, roof: tuple | None,
             s.update(roofline_figures(mode, s, results, roof))
         print(table(s), flush=True)
         rows.append(s)
-
-
-def plot(rows: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: no display on servers and CI
-    import matplotlib.pyplot as plt
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    for i, mode in enumerate(dict.fromkeys(r["mode"] for r in rows)):
-        rs = [r for r in rows if r["mode"] == mode]
-        c, color = [r["max_concurrency"] for r in rs], f"C{i}"
-        a.plot(c, [r["total_token_throughput_per_gpu"] for r in rs], "o-", color=color,
-               label=mode)
-        b.plot(c, [r["median_ttft_ms"] for r in rs], "o-", color=color, label=f"{mode} median")
-        b.plot(c, [r["p99_ttft_ms"] for r in rs], "x--", color=color, label=f"{mode} p99")
-    a.set(xlabel="concurrency", ylabel="total tokens/s per GPU", title="Throughput")
-    b.set(xlabel="concurrency", ylabel="TTFT (ms)", title="Time to first token")
-    levels = sorted({r["max_concurrency"] for r in rows})
-    for ax in (a, b):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(levels, [str(c) for c in levels])
-        ax.minorticks_off()
-        ax.grid(True, alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def parser() -> argparse.ArgumentParser:

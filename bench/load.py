@@ -1,0 +1,171 @@
+"""The load a serving benchmark sends: request lengths, arrival times, one streamed
+completion and what it got, and the server's own gauges and counters while a level runs.
+
+Lengths are drawn uniformly from ``[int(r*L), L]`` (sa-bench) or ``[floor((1-r)*L),
+ceil((1+r)*L)]`` (vLLM's ``--random-range-ratio``); arrivals are all at once or a Poisson
+process (vLLM's ``--request-rate``); each request waits for a free place under the
+level's concurrency, and its TTFT counts to the first chunk with choices.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import math
+import time
+
+import httpx
+import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
+from tqdm.auto import tqdm
+
+MEMORY_GAUGES = ("vllm:kv_cache_bytes_in_use", "vllm:state_bytes_in_use")
+TRANSFER_COUNTERS = ("vllm:kv_transfers_total", "vllm:kv_transfer_seconds_total",
+                     "vllm:kv_transfer_bytes_total")
+
+
+def length_bounds(length: int, ratio: float, convention: str) -> tuple[int, int]:
+    """Inclusive [lo, hi] of one length: sa-bench's ``randint(int(L*r), L+1)`` or
+    vLLM's ``[floor(L*(1-r)), ceil(L*(1+r))]``; never below 1 token."""
+    if convention == "sa":
+        if not 0.0 <= ratio <= 1.0:
+            raise ValueError(f"sa-bench range ratio must be in [0, 1], got {ratio}")
+        lo, hi = int(length * ratio), length
+    elif convention == "vllm":
+        if not 0.0 <= ratio < 1.0:
+            raise ValueError(f"vLLM range ratio must be in [0, 1), got {ratio}")
+        lo, hi = math.floor(length * (1 - ratio)), math.ceil(length * (1 + ratio))
+    else:
+        raise ValueError(f"unknown range convention {convention!r}")
+    return max(lo, 1), max(hi, 1)
+
+
+def dataset(n: int, input_len: int, output_len: int, ratio: float, convention: str,
+            vocab_size: int, seed) -> list[tuple[list[int], int]]:
+    """n (prompt token ids, max_tokens) pairs; ids avoid 0-2 (special in small vocabularies).
+    `seed`: anything `np.random.default_rng` takes (the runs use [seed, concurrency])."""
+    rng = np.random.default_rng(seed)
+    lo, hi = length_bounds(input_len, ratio, convention)
+    ins = rng.integers(lo, hi + 1, n)
+    lo, hi = length_bounds(output_len, ratio, convention)
+    outs = rng.integers(lo, hi + 1, n)
+    return [(rng.integers(3, vocab_size, int(i)).tolist(), int(o)) for i, o in zip(ins, outs)]
+
+
+@dataclasses.dataclass
+class Result:
+    prompt_tokens: int
+    ok: bool = False
+    output_tokens: int = 0
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list = dataclasses.field(default_factory=list)
+    error: str = ""
+
+
+async def one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int],
+              max_tokens: int, ignore_eos: bool) -> Result:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": ignore_eos, "stream": True, "stream_options": {"include_usage": True}}
+    res = Result(prompt_tokens=len(prompt))
+    start = last = time.perf_counter()
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("error"):
+                    res.error = str(chunk["error"])[:200]
+                elif chunk.get("choices"):
+                    now = time.perf_counter()
+                    if res.ttft == 0.0:
+                        res.ttft = now - start
+                    else:
+                        res.itl.append(now - last)
+                    last = now
+                elif chunk.get("usage"):
+                    res.output_tokens = chunk["usage"]["completion_tokens"]
+        res.latency = last - start
+        res.ok = not res.error and res.ttft > 0.0 and res.output_tokens > 0
+        if not res.ok and not res.error:
+            res.error = "stream ended without output or usage"
+    except httpx.HTTPError as e:
+        res.error = repr(e)
+    return res
+
+
+async def scrape(client: httpx.AsyncClient, url: str) -> dict[str, float]:
+    """The server's Prometheus samples, summed over labels, by sample name."""
+    r = await client.get(f"{url}/metrics", timeout=5.0)
+    r.raise_for_status()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(r.text):
+        for sample in family.samples:
+            out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    return out
+
+
+async def watch(client: httpx.AsyncClient, url: str, done: asyncio.Event,
+                interval: float = 0.5) -> dict[str, float]:
+    """Peaks of the memory gauges while the level runs (as fresh as the server's own
+    view: the router polls its workers once a second)."""
+    peak = dict.fromkeys(MEMORY_GAUGES, 0.0)
+    while not done.is_set():
+        m = await scrape(client, url)
+        for k in peak:
+            peak[k] = max(peak[k], m.get(k, 0.0))
+        try:
+            await asyncio.wait_for(done.wait(), interval)
+        except asyncio.TimeoutError:
+            pass
+    return peak
+
+
+def arrivals(n: int, rate: float, seed) -> list[float]:
+    """Seconds after the start at which each of `n` requests is sent: all at once for an
+    infinite rate, else a Poisson process of `rate` requests/s (vLLM's `--request-rate`,
+    burstiness 1)."""
+    if math.isinf(rate):
+        return [0.0] * n
+    if rate <= 0:
+        raise ValueError(f"request rate must be positive, got {rate}")
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, n)
+    return (np.cumsum(gaps) - gaps[0]).tolist()
+
+
+async def run_level(url: str, model: str, data, concurrency: int, ignore_eos: bool,
+                    desc: str, sent_at: list[float] | None = None
+                    ) -> tuple[list[Result], float, dict]:
+    """Request i is sent `sent_at[i]` seconds after the start (default: all at once), and
+    waits there while `concurrency` are in flight; (results in data order, seconds, server
+    figures: peak memory in use and the transfer counters' increase)."""
+    sem = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0, connect=30.0),
+                                 limits=httpx.Limits(max_connections=None)) as client:
+        before = await scrape(client, url)
+        done = asyncio.Event()
+        watcher = asyncio.create_task(watch(client, url, done))
+        with tqdm(total=len(data), desc=desc, unit="req", disable=not desc) as bar:
+            async def guarded(prompt, max_tokens, at):
+                await asyncio.sleep(at - (time.perf_counter() - t0))
+                async with sem:
+                    r = await one(client, url, model, prompt, max_tokens, ignore_eos)
+                bar.update(1)
+                return r
+
+            t0 = time.perf_counter()
+            results = await asyncio.gather(*(guarded(p, o, at) for (p, o), at in
+                                             zip(data, sent_at or [0.0] * len(data))))
+            duration = time.perf_counter() - t0
+        done.set()
+        server = await watcher
+        await asyncio.sleep(1.5)  # the router's counters lag its workers' by one poll
+        after = await scrape(client, url)
+    for k in TRANSFER_COUNTERS:
+        server[k] = after.get(k, 0.0) - before.get(k, 0.0)
+    return results, duration, server

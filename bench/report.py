@@ -1,0 +1,163 @@
+"""What a level's results come to: vLLM's serving metrics, the roofline beside them, the
+`vllm bench serve` table, a Markdown line per level and the plot."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from bench.load import Result
+
+
+def _stats(name: str, seconds: list[float]) -> dict:
+    xs = np.asarray(seconds, dtype=float) * 1e3
+    if not len(xs):
+        return {f"{s}_{name}_ms": float("nan") for s in ("mean", "median", "std", "p99")}
+    return {f"mean_{name}_ms": float(xs.mean()), f"median_{name}_ms": float(np.median(xs)),
+            f"std_{name}_ms": float(xs.std()), f"p99_{name}_ms": float(np.percentile(xs, 99))}
+
+
+def summarise(results: list[Result], duration: float, concurrency: int, num_gpus: int,
+              server: dict) -> dict:
+    """vLLM's `calculate_metrics` over the successful requests, plus throughput per GPU
+    and the server's figures (peak KV and state bytes in use, transfers)."""
+    ok = [r for r in results if r.ok]
+    tin = sum(r.prompt_tokens for r in ok)
+    tout = sum(r.output_tokens for r in ok)
+    transfers = server.get("vllm:kv_transfers_total", 0.0)
+    return {
+        "peak_kv_bytes": server.get("vllm:kv_cache_bytes_in_use", 0.0),
+        "peak_state_bytes": server.get("vllm:state_bytes_in_use", 0.0),
+        "transfers": transfers,
+        "mean_transfer_ms": (1e3 * server.get("vllm:kv_transfer_seconds_total", 0.0)
+                             / transfers if transfers else float("nan")),
+        "mean_transfer_bytes": (server.get("vllm:kv_transfer_bytes_total", 0.0) / transfers
+                                if transfers else float("nan")),
+        "max_concurrency": concurrency, "num_gpus": num_gpus, "duration": duration,
+        "completed": len(ok), "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "total_input_tokens": tin, "total_output_tokens": tout,
+        "request_throughput": len(ok) / duration, "output_throughput": tout / duration,
+        "total_token_throughput": (tin + tout) / duration,
+        "total_token_throughput_per_gpu": (tin + tout) / duration / num_gpus,
+        **_stats("ttft", [r.ttft for r in ok]),
+        **_stats("tpot", [(r.latency - r.ttft) / (r.output_tokens - 1)
+                          for r in ok if r.output_tokens > 1]),
+        **_stats("itl", [x for r in ok for x in r.itl]),
+        **_stats("e2el", [r.latency for r in ok]),
+        "input_lens": [r.prompt_tokens for r in results],
+        "output_lens": [r.output_tokens for r in results],
+        "chunks": [len(r.itl) + 1 if r.ok else 0 for r in results],  # streamed with choices
+        "ttfts": [r.ttft for r in results],
+    }
+
+
+def table(s: dict) -> str:
+    """The result block of `vllm bench serve`, with the mode and per-GPU throughput added."""
+    line = "{:<40} {:<10}".format
+    out = ["{:=^50}".format(" Serving Benchmark Result "),
+           line("Mode:", s["mode"]),
+           line("Successful requests:", s["completed"]),
+           line("Failed requests:", s["failed"]),
+           line("Maximum request concurrency:", s["max_concurrency"]),
+           line("Benchmark duration (s):", f"{s['duration']:.2f}"),
+           line("Total input tokens:", s["total_input_tokens"]),
+           line("Total generated tokens:", s["total_output_tokens"]),
+           line("Request throughput (req/s):", f"{s['request_throughput']:.2f}"),
+           line("Output token throughput (tok/s):", f"{s['output_throughput']:.2f}"),
+           line("Total Token throughput (tok/s):", f"{s['total_token_throughput']:.2f}"),
+           line("Total token throughput per GPU (tok/s):",
+                f"{s['total_token_throughput_per_gpu']:.2f}")]
+    out += [line("Peak KV + state in use (GiB):",
+                 f"{s['peak_kv_bytes'] / 2**30:.2f} + {s['peak_state_bytes'] / 2**30:.2f}")]
+    if s["transfers"]:
+        out += [line("Transfers (mean ms, MiB per request):",
+                     f"{s['transfers']:.0f} ({s['mean_transfer_ms']:.1f}, "
+                     f"{s['mean_transfer_bytes'] / 2**20:.1f})")]
+    if "roofline_tokens_per_s_per_gpu" in s:
+        out += [line("Roofline tok/s per GPU (share):",
+                     f"{s['roofline_tokens_per_s_per_gpu']:.0f} ({s['roofline_share']:.0%})"),
+                line("Prefill floor tok/s per GPU:", f"{s['prefill_floor_tokens_per_s']:.0f}"),
+                line("Decode step floor ms (of median TPOT):",
+                     f"{s['decode_step_floor_ms']:.1f} ({s['decode_floor_share']:.0%})")]
+    for title, key, short in (("Time to First Token", "ttft", "TTFT"),
+                              ("Time per Output Token (excl. 1st token)", "tpot", "TPOT"),
+                              ("Inter-token Latency", "itl", "ITL")):
+        out.append("{:-^50}".format(title))
+        for stat, label in (("mean", "Mean"), ("median", "Median"), ("p99", "P99")):
+            out.append(line(f"{label} {short} (ms):", f"{s[f'{stat}_{key}_ms']:.2f}"))
+    out += [f"errors: {e}" for e in s["errors"]]
+    return "\n".join(out + ["=" * 50])
+
+
+def summary(rows: list[dict]) -> str:
+    """One line per run: the sweep at a glance (Markdown)."""
+    head = ("| mode | C | ok/all | duration s | req/s | out tok/s | total tok/s | tok/s/GPU "
+            "| TTFT med/p99 ms | TPOT med/p99 ms | ITL med/p99 ms | peak KV+state GiB "
+            "| transfer ms/req | roofline tok/s/GPU (share) | decode floor ms (of TPOT) |")
+    out = [head, "|" + "---|" * (head.count("|") - 1)]
+    for s in rows:
+        out.append(
+            f"| {s['mode']} | {s['max_concurrency']} | {s['completed']}/"
+            f"{s['completed'] + s['failed']} | {s['duration']:.1f} | "
+            f"{s['request_throughput']:.2f} | {s['output_throughput']:.1f} | "
+            f"{s['total_token_throughput']:.1f} | {s['total_token_throughput_per_gpu']:.1f} | "
+            f"{s['median_ttft_ms']:.0f} / {s['p99_ttft_ms']:.0f} | "
+            f"{s['median_tpot_ms']:.1f} / {s['p99_tpot_ms']:.1f} | "
+            f"{s['median_itl_ms']:.1f} / {s['p99_itl_ms']:.1f} | "
+            f"{(s['peak_kv_bytes'] + s['peak_state_bytes']) / 2**30:.2f} | "
+            f"{s['mean_transfer_ms']:.1f} | " + (
+                f"{s['roofline_tokens_per_s_per_gpu']:.0f} ({s['roofline_share']:.0%}) | "
+                f"{s['decode_step_floor_ms']:.1f} ({s['decode_floor_share']:.0%}) |"
+                if "roofline_share" in s else "- | - |"))
+    return "\n".join(out)
+
+
+def roofline_figures(mode: str, s: dict, results: list[Result], roof: tuple) -> dict:
+    """The level's floor (bench.roofline.serving_floor) beside what it reached: total
+    tokens/s per GPU, and the decode step floor against the median TPOT.  The
+    disaggregated floor is that of one prefill and one decode device."""
+    from bench.roofline import serving_floor
+
+    costs, ceilings = roof
+    ok = [r for r in results if r.ok]
+    if not ok:
+        return {}
+    f = serving_floor(costs, ceilings, [r.prompt_tokens for r in ok],
+                      [r.output_tokens for r in ok], s["max_concurrency"])
+    per_gpu = (f["disaggregated_tokens_per_s_per_gpu"] if mode == "disaggregated"
+               else f["aggregated_tokens_per_s"])
+    return {"roofline_tokens_per_s_per_gpu": per_gpu,
+            "roofline_share": s["total_token_throughput_per_gpu"] / per_gpu,
+            "prefill_floor_tokens_per_s": f["prefill_tokens_per_s"],
+            "decode_step_floor_ms": 1e3 * f["decode_step_s"],
+            "decode_step_floor_bytes": f["decode_step_bytes"],
+            "decode_floor_share": (1e3 * f["decode_step_s"] / s["median_tpot_ms"]
+                                   if s["median_tpot_ms"] > 0 else float("nan"))}
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on servers and CI
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for i, mode in enumerate(dict.fromkeys(r["mode"] for r in rows)):
+        rs = [r for r in rows if r["mode"] == mode]
+        c, color = [r["max_concurrency"] for r in rs], f"C{i}"
+        a.plot(c, [r["total_token_throughput_per_gpu"] for r in rs], "o-", color=color,
+               label=mode)
+        b.plot(c, [r["median_ttft_ms"] for r in rs], "o-", color=color, label=f"{mode} median")
+        b.plot(c, [r["p99_ttft_ms"] for r in rs], "x--", color=color, label=f"{mode} p99")
+    a.set(xlabel="concurrency", ylabel="total tokens/s per GPU", title="Throughput")
+    b.set(xlabel="concurrency", ylabel="TTFT (ms)", title="Time to first token")
+    levels = sorted({r["max_concurrency"] for r in rows})
+    for ax in (a, b):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(levels, [str(c) for c in levels])
+        ax.minorticks_off()
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
