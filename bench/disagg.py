@@ -8,7 +8,8 @@
 Starts the disaggregated stack itself (``python -m serving``) unless
 ``--base-url`` names a running server; with ``--compare-aggregated`` it then
 starts the aggregated server (``python -m serving.api``) and sends it the same
-requests in the same invocation.  Flags the benchmark does not know go to the
+requests in the same invocation, and reports per level how many greedy completions
+came out identical in both modes.  Flags the benchmark does not know go to the
 servers it starts (to both, so give engine flags only with
 ``--compare-aggregated``).  For the tiny presets without engine flags the
 servers get small CPU limits (``CPU_ENGINE_FLAGS``): the servers' own CPU
@@ -53,7 +54,7 @@ import time
 import httpx
 
 from bench.load import arrivals, dataset, length_bounds, run_level
-from bench.report import plot, roofline_figures, summarise, summary, table
+from bench.report import greedy_agreement, plot, roofline_figures, summarise, summary, table
 from serving.__main__ import gpus
 from serving.__main__ import parser as stack_parser
 
@@ -264,11 +265,17 @@ def main(argv=None) -> None:
     finally:
         for proc in procs:
             stop_server(proc)
+        agreement = greedy_agreement(rows)
         with open(os.path.join(args.result_dir, "disagg.json"), "w") as f:
-            json.dump({"args": vars(args), "server_flags": server_flags, "results": rows}, f,
-                      indent=1)
+            json.dump({"args": vars(args), "server_flags": server_flags, "results": rows,
+                       "greedy_agreement": agreement}, f, indent=1)
     plot(rows, os.path.join(args.result_dir, "disagg.png"))
     print(summary(rows))
+    for g in agreement:
+        print(f"greedy outputs at C={g['max_concurrency']}: {g['same']} of {g['compared']} "
+              f"requests identical in both modes"
+              + (f" (first difference: request {g['first_difference']['request']}, "
+                 f"character {g['first_difference']['char']})" if g["first_difference"] else ""))
     print(f"wrote {args.result_dir}/disagg.json and {args.result_dir}/disagg.png", flush=True)
 
 

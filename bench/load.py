@@ -62,6 +62,7 @@ class Result:
     latency: float = 0.0
     itl: list = dataclasses.field(default_factory=list)
     error: str = ""
+    text: str = ""  # the completion, to compare greedy outputs between servers
 
 
 async def one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int],
@@ -82,6 +83,7 @@ async def one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int]
                 if chunk.get("error"):
                     res.error = str(chunk["error"])[:200]
                 elif chunk.get("choices"):
+                    res.text += chunk["choices"][0].get("text") or ""
                     now = time.perf_counter()
                     if res.ttft == 0.0:
                         res.ttft = now - start

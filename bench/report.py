@@ -44,6 +44,7 @@ def summarise(results: list[Result], duration: float, concurrency: int, num_gpus
                           for r in ok if r.output_tokens > 1]),
         **_stats("itl", [x for r in ok for x in r.itl]),
         **_stats("e2el", [r.latency for r in ok]),
+        "texts": [r.text if r.ok else None for r in results],
         "input_lens": [r.prompt_tokens for r in results],
         "output_lens": [r.output_tokens for r in results],
         "chunks": [len(r.itl) + 1 if r.ok else 0 for r in results],  # streamed with choices
@@ -161,3 +162,27 @@ def plot(rows: list[dict], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def greedy_agreement(rows: list[dict]) -> list[dict]:
+    """Per concurrency level run in both modes: how many requests (same prompts, greedy)
+    produced the same completion text in both, and where the first differing one
+    diverged. Under bf16 a batch of another composition may legitimately flip a near-tie,
+    so this is a figure to read, not a pass/fail."""
+    by = {(r["mode"], r["max_concurrency"]): r for r in rows}
+    out = []
+    for (mode, c), d in by.items():
+        a = by.get(("aggregated", c))
+        if mode != "disaggregated" or a is None:
+            continue
+        both = [(i, x, y) for i, (x, y) in enumerate(zip(d["texts"], a["texts"]))
+                if x is not None and y is not None]
+        differ = [(i, x, y) for i, x, y in both if x != y]
+        first = None
+        if differ:
+            i, x, y = differ[0]
+            n = min(len(x), len(y))
+            first = {"request": i, "char": next((j for j in range(n) if x[j] != y[j]), n)}
+        out.append({"max_concurrency": c, "compared": len(both),
+                    "same": len(both) - len(differ), "first_difference": first})
+    return out

@@ -16,6 +16,7 @@ import psutil
 import pytest
 
 from bench.load import arrivals, dataset, length_bounds
+from bench.report import greedy_agreement
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -148,6 +149,26 @@ def test_transfers_and_roofline_are_reported(run):
                             / r["roofline_tokens_per_s_per_gpu"])
         assert math.isclose(r["decode_floor_share"],
                             r["decode_step_floor_ms"] / r["median_tpot_ms"])
+
+
+def test_greedy_outputs_compared_between_modes(run):
+    """float32 on CPU: every greedy completion is the same in both modes, and the run
+    says so per level."""
+    stdout, result, _, _ = run
+    assert [(g["max_concurrency"], g["compared"], g["same"]) for g in result["greedy_agreement"]
+            ] == [(1, 4, 4), (3, 4, 4)]
+    assert all(g["first_difference"] is None for g in result["greedy_agreement"])
+    assert "greedy outputs at C=3: 4 of 4 requests identical in both modes" in stdout
+    for r in result["results"]:
+        assert all(t for t in r["texts"])  # every completion has text (tiny tokenizer)
+
+
+def test_greedy_agreement_finds_the_first_difference():
+    rows = [{"mode": "disaggregated", "max_concurrency": 2, "texts": ["abc", "abd", None]},
+            {"mode": "aggregated", "max_concurrency": 2, "texts": ["abc", "abX", "zzz"]},
+            {"mode": "disaggregated", "max_concurrency": 4, "texts": ["a"]}]
+    assert greedy_agreement(rows) == [{"max_concurrency": 2, "compared": 2, "same": 1,
+                                       "first_difference": {"request": 1, "char": 2}}]
 
 
 def test_prints_vllm_bench_serve_table_and_writes_the_plot(run):
