@@ -22,6 +22,11 @@ head boundaries inside every row (layer x K|V x position for KV, GDN layer for
 state), reads one copy of each source part and writes every destination copy;
 the descriptor planner then merges what stays contiguous on both sides, so equal
 splits cost what unsharded peers cost and unequal ones one descriptor per row.
+
+Between workers, the prefill side pins ``CacheLayout.items`` and sends its
+``source_record`` (its layout, the request's blocks and slot) with the lease; the
+decode side maps it onto its own blocks and slot with ``pull_items`` and READs
+those source items, which the transfer manager checks lie inside the pinned ones.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ import numpy as np
 
 from qwen35_jax.cache import HybridCache
 from qwen35_jax.config import Qwen35Config
-from transfer import Region, allocate
+from transfer import Region, TransferParamsError, allocate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +76,31 @@ class CacheLayout:
             (self.conv_parts, self.conv_slot_bytes), (self.ssm_parts, self.ssm_slot_bytes))
             for part in parts]
 
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d) -> "CacheLayout":
+        """A peer's layout (``to_json``); ValueError unless it describes whole rows of parts
+        that all have the same number of copies."""
+        fields = [f.name for f in dataclasses.fields(cls)]
+        if not isinstance(d, dict) or sorted(d) != sorted(fields):
+            raise ValueError(f"a cache layout has the fields {fields}")
+        for name in fields:
+            value = d[name]
+            if name.endswith("_parts"):
+                if not (isinstance(value, (list, tuple)) and value and all(
+                        isinstance(p, (list, tuple)) and p and len(p) == len(value[0])
+                        and all(isinstance(r, str) for r in p) for p in value)):
+                    raise ValueError(f"layout {name}: expected parts of equally many region "
+                                     f"names, got {value!r}")
+            elif not _is_int(value, 1):
+                raise ValueError(f"layout {name}: expected a positive integer, got {value!r}")
+        if d["block_bytes"] % d["kv_rows"] or d["ssm_slot_bytes"] % d["ssm_rows"]:
+            raise ValueError("layout rows do not divide their blocks or slots")
+        return cls(**{k: tuple(map(tuple, v)) if k.endswith("_parts") else v
+                      for k, v in d.items()})
+
 
 def _blocks(layout: CacheLayout, block_ids, num_tokens: int):
     n = -(-num_tokens // layout.block_size)
@@ -85,6 +115,7 @@ def stream_items(src: CacheLayout, src_blocks, src_slot: int, dst: CacheLayout, 
     ``num_tokens`` tokens of KV and its GDN state from ``src``'s layout into ``dst``'s,
     whatever the two head splits (one must divide the other); feed them to
     ``transfer.descriptors.plan``."""
+    _check_matching(src, dst)
     src_items, dst_items = [], []
     arrays = ((src.kv_parts, dst.kv_parts, _blocks(src, src_blocks, num_tokens),
                _blocks(dst, dst_blocks, num_tokens), src.block_bytes, dst.block_bytes, src.kv_rows),
@@ -104,23 +135,80 @@ def stream_items(src: CacheLayout, src_blocks, src_slot: int, dst: CacheLayout, 
     return src_items, dst_items
 
 
+def _check_matching(src: CacheLayout, dst: CacheLayout) -> None:
+    """ValueError unless the two layouts cut the same global blocks and slots into the
+    same rows (each side's per-part bytes times its parts)."""
+    for what, a, b in (
+            ("block size", src.block_size, dst.block_size),
+            ("KV rows", src.kv_rows, dst.kv_rows), ("state rows", src.ssm_rows, dst.ssm_rows),
+            ("KV bytes per block", src.block_bytes * len(src.kv_parts),
+             dst.block_bytes * len(dst.kv_parts)),
+            ("conv bytes per slot", src.conv_slot_bytes * len(src.conv_parts),
+             dst.conv_slot_bytes * len(dst.conv_parts)),
+            ("state bytes per slot", src.ssm_slot_bytes * len(src.ssm_parts),
+             dst.ssm_slot_bytes * len(dst.ssm_parts))):
+        if a != b:
+            raise ValueError(f"cache layouts differ in {what}: {a} and {b}")
+
+
 def _chunks(parts, copy: int, ids, unit_bytes: int, rows: int, f: int):
     """Items of ``ids``' units cut into ``rows`` rows of ``f`` head chunks, ordered chunk,
-    unit, row; this side holds ``len(parts)`` parts of ``f // len(parts)`` chunks each."""
+    unit, row; this side holds ``len(parts)`` parts of ``f // len(parts)`` chunks each.
+    Neighbours that touch in one region are one item (a run of consecutive blocks when
+    the splits are equal, as in ``CacheLayout.items``), which keeps planning cheap."""
     per = f // len(parts)
     row_bytes = unit_bytes // rows
+    if row_bytes % per:
+        raise ValueError(f"a row of {row_bytes} bytes does not split into {per} head chunks")
     size = row_bytes // per
     c, i, r = (a.ravel() for a in np.meshgrid(np.arange(f), np.asarray(ids, np.int64),
                                               np.arange(rows), indexing="ij"))
     offsets = i * unit_bytes + r * row_bytes + (c % per) * size
-    names = [parts[p][copy] for p in (c // per).tolist()]
-    return list(zip(names, offsets.tolist(), [size] * len(names)))
+    part = c // per
+    starts = np.flatnonzero(np.concatenate(
+        ([True], (part[1:] != part[:-1]) | (offsets[1:] != offsets[:-1] + size))))
+    lengths = np.diff(np.append(starts, len(offsets))) * size
+    names = [parts[p][copy] for p in part[starts].tolist()]
+    return list(zip(names, offsets[starts].tolist(), lengths.tolist()))
+
+
+def source_record(layout: CacheLayout, block_ids, slot: int, num_tokens: int) -> dict:
+    """What a puller needs, besides the pinned items, to map a request onto its own layout
+    (JSON-able; it travels with the lease): this side's layout and the request's blocks
+    holding ``num_tokens`` tokens and slot."""
+    return {"layout": layout.to_json(), "slot": int(slot),
+            "blocks": [int(b) for b in _blocks(layout, block_ids, num_tokens)]}
+
+
+def pull_items(record, layout: CacheLayout, block_ids, slot: int, num_tokens: int):
+    """``(source items, local items)`` that copy the request of a peer's ``source_record``
+    into ``block_ids`` and ``slot`` of ``layout``; TransferParamsError if the record is
+    malformed or does not fit this layout (the transfer manager checks separately that
+    the source items lie inside what the lease pinned)."""
+    try:
+        if not isinstance(record, dict):
+            raise ValueError(f"expected a dict, got {type(record).__name__}")
+        blocks, src_slot = record.get("blocks"), record.get("slot")
+        if not (isinstance(blocks, list) and all(_is_int(b, 0) for b in blocks)
+                and _is_int(src_slot, 0)):
+            raise ValueError("expected 'blocks' (block ids) and 'slot' (a slot id)")
+        return stream_items(CacheLayout.from_json(record.get("layout")), blocks, src_slot,
+                            layout, block_ids, slot, num_tokens)
+    except ValueError as e:
+        raise TransferParamsError(f"source cache record: {e}") from None
+
+
+def _is_int(v, least: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= least
 
 
 def shard_regions(cache: HybridCache) -> tuple[list[Region], CacheLayout]:
     """Regions of a (possibly sharded) XLA-allocated host cache, one per device shard, and
     its layout.  DRAM only: on GPU, XLA's memory is not IPC-capable (``transfer.memory``)
     and registered shards must be allocated per device through DLPack instead."""
+    if {d.platform for d in cache.kv.devices()} != {"cpu"}:
+        raise ValueError("shard_regions registers host (CPU) shards only; on GPU each device's "
+                         "shard must be allocated through DLPack, which is not done yet")
     regions, parts, per = [], {}, {}
     for name in ("kv", "conv", "ssm"):
         array = getattr(cache, name)

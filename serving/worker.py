@@ -18,6 +18,15 @@ transfer ends the request with an error, or recomputes the prompt locally with
 ``--on-transfer-failure recompute``.  A client that disconnects aborts its
 request.
 
+With ``--ep``/``--tp`` the engine runs on a mesh and its cache is one registered
+region per device shard (``kv_transfer.shard_regions``); prefill and decode
+workers may be split differently (prefill TP2, decode EP2, say): the prefill side
+sends its cache layout and the request's blocks and slot with the lease
+(``kv_transfer.source_record``), and the decode side reads the parts of rows its
+own split needs (``kv_transfer.pull_items``), checked to lie inside the pinned
+bytes.  Sharded workers run on CPU (DRAM) only: on GPU every device's shard would
+have to be allocated through DLPack (``transfer.memory``), which is not done yet.
+
 All transfer-manager calls run on the engine thread (``AsyncEngine.call`` and
 the tick), which owns the engine and the manager alike.
 """
@@ -39,8 +48,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from serving.async_engine import AsyncEngine, EngineDead, EngineOverloaded
 from serving.engine import Engine, EngineConfig, SamplingParams
-from serving.engine.capacity import plan_capacity
-from serving.kv_transfer import allocate_registered_cache, compat_record
+from serving.engine.capacity import allocate_cache, plan_capacity
+from serving.kv_transfer import (allocate_registered_cache, compat_record, pull_items,
+                                 shard_regions, source_record)
 from serving.llm import load_model
 from transfer import Agent, Faults, TransferManager, TransferParamsError, free_bytes, size_xla_pool
 
@@ -62,12 +72,17 @@ class Worker:
             raise ValueError(f"role must be prefill or decode, got {role!r}")
         self.role, self.model_name = role, model_name
         self.transfer_timeout, self.recompute = transfer_timeout, recompute_on_failure
-        cfg = model.config
-        self.capacity = plan_capacity(cfg, config, dtype,
+        cfg, mesh = model.config, config.mesh()
+        self.sharded = mesh is not None
+        self.capacity = plan_capacity(cfg, config, dtype, mesh=mesh,
                                       budget_bytes=free_bytes(jax.devices()[0]))
-        cache, regions, self.layout = allocate_registered_cache(
-            cfg, num_blocks=config.num_blocks, block_size=config.block_size,
-            num_slots=config.num_slots, dtype=dtype, ssm_dtype=jnp.dtype(config.ssm_dtype))
+        if mesh is None:
+            cache, regions, self.layout = allocate_registered_cache(
+                cfg, num_blocks=config.num_blocks, block_size=config.block_size,
+                num_slots=config.num_slots, dtype=dtype, ssm_dtype=jnp.dtype(config.ssm_dtype))
+        else:  # host memory: XLA's own shards are registrable (transfer/memory.py)
+            cache = allocate_cache(cfg, config, dtype, mesh)
+            regions, self.layout = shard_regions(cache)
         self.compat = compat_record(cfg, cache, model_name)
         self.regions = {r.name: r for r in regions}
         engine = Engine(model, cache, config, batch_type=_batch_type())
@@ -121,7 +136,9 @@ class Worker:
             eng.release(request_id)
 
         try:
-            return self.transfer.pin(items, on_free=on_free)
+            self._settle(eng)
+            return {**self.transfer.pin(items, on_free=on_free),
+                    "cache": source_record(self.layout, req.block_ids, req.slot, num_tokens)}
         except Exception:
             eng.release(request_id)
             raise
@@ -169,13 +186,30 @@ class Worker:
             raise EngineOverloaded("no free KV blocks or state slot for a transfer now")
         _, blocks, slot = reserved
         try:
-            pull_id = self.transfer.pull(transfer, self.layout.items(blocks, slot, len(prompt)),
-                                         timeout=self.transfer_timeout)
+            if not isinstance(transfer, dict):
+                raise TransferParamsError(f"expected a dict, got {type(transfer).__name__}")
+            remote, local = pull_items(transfer.get("cache"), self.layout, blocks, slot,
+                                       len(prompt))
+            self._settle(eng)
+            pull_id = self.transfer.pull(transfer, local, timeout=self.transfer_timeout,
+                                         remote_items=remote)
         except BaseException:
             eng.abort(request_id)
             eng.finish_transfer(request_id, ok=False)
             raise
         self._pulls[pull_id] = request_id
+
+    def _settle(self, eng) -> None:
+        """Before NIXL touches the cache: on a mesh, wait until every device has finished
+        the steps dispatched so far.  The engine takes a step as done once it has read the
+        step's tokens, and on a mesh that does not prove every device has finished writing
+        its cache shard (seen on CPU in a third of TP2 steps; waiting for the tokens on
+        every device was not enough either): the prompt's KV on the source, or on the
+        destination a stale step's writes into blocks and a slot just freed and reserved
+        for the transfer.  NIXL is ordered with none of it (transfer/memory.py).  One
+        device: reading the tokens proves the step done, and nothing waits."""
+        if self.sharded:
+            jax.block_until_ready(eng.runner.cache)
 
     def _tick(self, eng) -> bool:
         """Engine-thread housekeeping between steps; True while transfers are pending."""
@@ -361,9 +395,6 @@ def main(argv=None):
     p.add_argument("--enable-fault-injection", action="store_true",
                    help="expose POST /debug/faults (tests only)")
     a = p.parse_args(argv)
-    if a.ep * a.tp > 1:  # the registered regions are single-device arrays (kv_transfer.py)
-        p.error("--ep/--tp > 1 need per-shard transfer regions, which workers do not register "
-                "yet; a sharded engine runs aggregated: python -m serving.api --ep/--tp")
     logging.basicConfig(level=a.log_level.upper(),
                         format=f"%(asctime)s {a.role} %(levelname)s %(name)s: %(message)s")
     name = a.model or a.model_tag
@@ -373,11 +404,15 @@ def main(argv=None):
     if total:
         log.info("XLA pool: %s of %.1f GiB", os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"],
                  total / 2**30)
-    dtype = jnp.dtype(a.dtype) if a.dtype else (
-        jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
-    model = load_model(name, dtype, a.seed)
-    config = EngineConfig(eos_token_ids=tuple(model.config.eos_token_ids), seed=a.seed,
-                          **engine_kwargs(a))
+    on_cpu = jax.default_backend() == "cpu"
+    if a.ep * a.tp > 1 and not on_cpu:
+        p.error("--ep/--tp > 1 run on CPU (DRAM) only: on GPU each device's cache shard must "
+                "be allocated and registered through DLPack, which workers do not do yet; a "
+                "sharded engine runs aggregated there: python -m serving.api --ep/--tp")
+    dtype = jnp.dtype(a.dtype) if a.dtype else (jnp.float32 if on_cpu else jnp.bfloat16)
+    config = EngineConfig(seed=a.seed, **engine_kwargs(a))
+    model = load_model(name, dtype, a.seed, config.mesh())
+    config.eos_token_ids = tuple(model.config.eos_token_ids)
     t0 = time.perf_counter()
     worker = Worker(a.role, model, config, model_name=name, dtype=dtype,
                     lease_ttl=a.lease_ttl, transfer_timeout=a.transfer_timeout,

@@ -7,21 +7,25 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from serving.kv_transfer import CacheLayout, pull_items, source_record
 from transfer import (Agent, CompatibilityError, Region, TransferManager, TransferParamsError,
                       allocate, host_view)
 
-BLOCK, BLOCKS, SLOT, SLOTS = 4096, 64, 2048, 4
+BLOCK, BLOCKS, SLOT, SLOTS, CONV = 4096, 64, 2048, 4, 512
+# the regions above as a cache's blocks and slots (rows only matter between unequal splits)
+LAYOUT = CacheLayout(BLOCK, CONV, SLOT, block_size=16, kv_rows=8, ssm_rows=4)
 COMPAT = {"model": "test", "block_bytes": BLOCK, "slot_bytes": SLOT}
 
 
 def make_manager(compat=COMPAT, port=0, seed=None):
     _, kv = allocate("kv", (BLOCKS, BLOCK), jnp.uint8)
+    _, conv = allocate("conv", (SLOTS, CONV), jnp.uint8)
     _, ssm = allocate("ssm", (SLOTS, SLOT), jnp.uint8)
     if seed is not None:
         rng = np.random.default_rng(seed)
-        for r in (kv, ssm):
+        for r in (kv, conv, ssm):
             host_view(r)[:] = rng.integers(0, 256, r.nbytes, dtype=np.uint8)
-    return TransferManager(Agent([kv, ssm]), compat, port=port)
+    return TransferManager(Agent([kv, conv, ssm]), compat, port=port)
 
 
 def blocks(ids):
@@ -193,6 +197,79 @@ def test_malformed_params_are_refused_and_disturb_nothing(source, puller):
     np.testing.assert_array_equal(view(puller, "kv")[30 * BLOCK:32 * BLOCK],
                                   view(source, "kv")[10 * BLOCK:12 * BLOCK])
     assert log == [(good["lease"], "done")] and source.leases == 1  # `other` still held
+
+
+def test_remote_items_inside_the_pinned_ranges_are_read_in_their_order(source, puller):
+    params = source.pin(blocks([5, 6]) + blocks([7]) + slot(2))
+    # across the touching items of blocks 5 to 7, a re-read, and part of the slot
+    remote = [("kv", 5 * BLOCK + 100, 2 * BLOCK), ("ssm", 2 * SLOT + 8, 16), ("kv", 5 * BLOCK, 100)]
+    pid = puller.pull(params, [("kv", 40 * BLOCK, 2 * BLOCK + 116)], remote_items=remote)
+    assert drive(source, puller, until=lambda d: pid in d)[pid].ok
+    src, ssm = view(source, "kv"), view(source, "ssm")
+    want = np.concatenate([src[5 * BLOCK + 100:7 * BLOCK + 100], ssm[2 * SLOT + 8:2 * SLOT + 24],
+                           src[5 * BLOCK:5 * BLOCK + 100]])
+    np.testing.assert_array_equal(view(puller, "kv")[40 * BLOCK:40 * BLOCK + len(want)], want)
+
+
+def test_remote_items_outside_the_pinned_ranges_are_refused(source, puller):
+    """The pinned items bound what remote items may read: params whose items and remote
+    items disagree (malicious or stale) never reach unpinned memory."""
+    log, on_free = freed_log()
+    params = source.pin(blocks([5]) + slot(2), on_free=on_free)
+    for remote in ([("kv", 5 * BLOCK + 8, BLOCK)],  # runs into block 6
+                   [("kv", 4 * BLOCK + BLOCK - 1, 2)],  # starts in block 4
+                   [("kv", 5 * BLOCK, 8), ("ssm", 1 * SLOT, 8)],  # another slot
+                   [("conv", 2 * CONV, 16)]):  # a region the lease pins nothing of
+        size = sum(n for _, _, n in remote)
+        with pytest.raises(TransferParamsError, match=r"remote item \d+: bytes .* are not pinned"):
+            puller.pull(params, [("kv", 0, size)], remote_items=remote)
+    assert puller.pending == 0 and not log  # nothing posted, the lease untouched
+    pid = puller.pull(params, [("kv", 0, 8)], remote_items=[("ssm", 2 * SLOT, 8)])
+    assert drive(source, puller, until=lambda d: pid in d and log)[pid].ok
+
+
+@pytest.mark.parametrize("forge, message", [
+    (lambda r: "nonsense", "expected a dict"),
+    (lambda r: {**r, "blocks": [1.5]}, "expected 'blocks'"),
+    (lambda r: {**r, "slot": -1}, "expected 'blocks'"),
+    (lambda r: {**r, "blocks": r["blocks"][:1]}, "70 tokens need 5 blocks"),
+    (lambda r: {**r, "layout": {**r["layout"], "kv_rows": 0}}, "kv_rows: expected a positive"),
+    (lambda r: {**r, "layout": {**r["layout"], "kv_parts": [["a"], ["b", "c"]]}}, "equally many"),
+    (lambda r: {**r, "layout": {**r["layout"], "block_size": 32}}, "differ in block size"),
+    (lambda r: {**r, "layout": {**r["layout"], "block_bytes": 2 * BLOCK}}, "KV bytes per block"),
+])
+def test_source_records_that_do_not_fit_are_refused(forge, message):
+    record = source_record(LAYOUT, [5, 6, 7, 20, 21], 2, 70)
+    with pytest.raises(TransferParamsError, match=message):
+        pull_items(forge(record), LAYOUT, [0, 1, 2, 3, 4], 0, 70)
+
+
+def test_equal_layouts_cost_what_the_pinned_items_cost():
+    """The decode worker maps a request with ``kv_transfer.pull_items`` and reads explicit
+    remote items; between equal (unsharded) layouts that must post as many descriptors as
+    reading the pinned items themselves, and copy the same bytes."""
+    source, puller = make_manager(seed=4), make_manager()
+    try:
+        src_blocks, n = [5, 6, 7, 20, 21], 70  # five blocks, in two runs
+        pinned = source.pin(LAYOUT.items(src_blocks, 2, n))
+        plain = puller.pull(pinned, LAYOUT.items([30, 31, 32, 33, 40], 0, n))
+        mapped_blocks = [50, 51, 52, 53, 60]
+        remote, local = pull_items(source_record(LAYOUT, src_blocks, 2, n), LAYOUT,
+                                   mapped_blocks, 1, n)
+        mapped = puller.pull(source.pin(LAYOUT.items(src_blocks, 2, n)), local,
+                             remote_items=remote)
+        done = drive(source, puller, until=lambda d: {plain, mapped} <= d.keys())
+        assert done[plain].ok and done[mapped].ok
+        assert done[mapped].descriptors == done[plain].descriptors == 5  # 3 KV + conv + ssm
+        for name, size, a, b in (("kv", BLOCK, [30, 31, 32, 33, 40], mapped_blocks),
+                                 ("conv", CONV, [0], [1]), ("ssm", SLOT, [0], [1])):
+            got = view(puller, name).reshape(-1, size)
+            np.testing.assert_array_equal(got[a], got[b])
+        np.testing.assert_array_equal(view(puller, "kv").reshape(-1, BLOCK)[mapped_blocks],
+                                      view(source, "kv").reshape(-1, BLOCK)[src_blocks])
+    finally:
+        puller.close()
+        source.close()
 
 
 def test_params_of_a_restarted_source_are_stale(puller):

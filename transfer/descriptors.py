@@ -109,6 +109,32 @@ def coalesce(items: Sequence[Item]) -> list[Item]:
     return [(names[r], o, n) for r, o, n in zip(region[0].tolist(), offset[0].tolist(), length.tolist())]
 
 
+def check_inside(items: Sequence[Item], bounds: Sequence[Item],
+                 regions: Mapping[str, Region]) -> None:
+    """Raise DescriptorError for the first of ``items`` whose bytes are not inside one of
+    ``bounds``' ranges (bounds that touch in a region count as one range; overlapping ones
+    do not merge, which can only refuse more): a puller reading sub-ranges of what a
+    lease pinned must not reach past it."""
+    c = _columns(list(items), regions, "remote")
+    b = _columns(list(bounds), regions, "pinned")
+    (breg,), (boff,), blen = _merge_runs([b.region], [b.offset], b.length, [b.names],
+                                         overlap_ok=True)
+    inside = np.zeros(len(c.length), bool)
+    for r in np.unique(c.region):
+        mine, theirs = c.region == r, breg == r
+        if not theirs.any():
+            continue
+        starts, ends = boff[theirs], boff[theirs] + blen[theirs]
+        j = np.searchsorted(starts, c.offset[mine], "right") - 1
+        end = c.offset[mine] + c.length[mine]
+        inside[mine] = (j >= 0) & (end <= ends[np.maximum(j, 0)])
+    bad = np.flatnonzero(~inside)
+    if len(bad):
+        i = int(bad[0])
+        raise DescriptorError(f"remote item {i}: bytes [{c.offset[i]}, {c.offset[i] + c.length[i]}) "
+                              f"of region {c.names[c.region[i]]!r} are not pinned")
+
+
 def plan(local_items: Sequence[Item], local_regions: Mapping[str, Region],
          remote_items: Sequence[Item], remote_regions: Mapping[str, Region]) -> Plan:
     """Descriptors that copy the remote byte stream onto the local one (see module docstring)."""

@@ -9,7 +9,8 @@ Source side (prefill)::
 
 Puller side (decode)::
 
-    pull_id = mgr.pull(params, local_items, timeout=10.0)
+    pull_id = mgr.pull(params, local_items, timeout=10.0)  # READs the pinned items
+    # or, remote_items=[...]: ranges inside the pinned items, in the order of local_items
     for c in mgr.poll(): ...                     # Completion: ok, or error.kind
                                                  # "error" | "timeout" | "peer_gone" | "stale"
     mgr.landed()                                 # pulls whose bytes are in place, ack pending:
@@ -238,15 +239,21 @@ class TransferManager:
 
     # ---- puller side ---------------------------------------------------------------------
 
-    def pull(self, params: dict, local_items: Sequence, timeout: float = 10.0) -> int:
+    def pull(self, params: dict, local_items: Sequence, timeout: float = 10.0,
+             remote_items: Sequence | None = None) -> int:
         """Start READing a lease's bytes into ``local_items``; returns a pull id for ``poll()``.
+
+        The bytes read are the pinned items in stream order, or ``remote_items``: byte
+        ranges inside the pinned ones, in the order the puller needs (a peer whose cache
+        is split differently reads parts of rows, and some of them more than once).
 
         Connects to the source first if it is unknown and ``params`` carry its address (a
         blocking handshake, once per peer). Raises TransferParamsError (nothing posted)
-        for malformed, out-of-bounds or stale parameters and for an incompatible source; an
-        unreachable source is reported as a "peer_gone" completion instead.
+        for malformed, out-of-bounds or stale parameters, for remote items outside the
+        pinned ones and for an incompatible source; an unreachable source is reported as a
+        "peer_gone" completion instead.
         """
-        agent, lease, items, ttl, address = _parse(params)
+        agent, lease, pinned, ttl, address = _parse(params)
         started = time.monotonic()
         try:
             peer = self._resolve(agent, address)
@@ -255,7 +262,11 @@ class TransferManager:
         if any(p.lease == lease and p.peer == agent for p in self._pulls.values()):
             raise TransferParamsError(f"lease {lease!r} of {agent} is already being pulled")
         try:
-            plan = descriptors.plan(local_items, self.agent.regions, items, peer.regions)
+            if remote_items is None:
+                remote_items = pinned
+            else:
+                descriptors.check_inside(remote_items, pinned, peer.regions)
+            plan = descriptors.plan(local_items, self.agent.regions, remote_items, peer.regions)
         except descriptors.DescriptorError as e:
             raise TransferParamsError(str(e)) from None
         now = time.monotonic()

@@ -1,0 +1,111 @@
+"""Disaggregated workers on meshes, with real worker processes and real NIXL transfers
+(CPU, DRAM, 8 host devices per worker).
+
+A prefill worker split TP2 (``--tp 2``: KV heads and GDN value heads in two parts)
+hands each request's KV blocks and GDN state to a decode worker split EP2 (one head
+part, a copy on each of two devices) and to an unsharded one: the decode side reads
+the parts of rows its own split needs (``serving.kv_transfer.pull_items``).  Every
+greedy request must give the single-device aggregated engine's tokens (same preset
+and seed), the pools must return to full, and a source record that claims blocks the
+lease did not pin must be refused before anything is read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+
+import httpx
+import pytest
+from test_disagg import Stack, _free_port, pools_full, prompts, run_all
+
+from serving.engine import SamplingParams
+from serving.router import Router
+
+LIMITS = {"max_num_seqs": 8, "max_num_batched_tokens": 128, "max_model_len": 256,
+          "block_size": 16, "num_blocks": 128}
+FLAGS = ["--model", "tiny-moe", "--prefill-token-buckets", "128", "--prefill-seq-buckets", "8",
+         "--decode-seq-buckets", "8", "--max-logprobs", "0", "--transfer-timeout", "40",
+         "--lease-ttl", "60", "--log-level", "warning",
+         *(f for k, v in LIMITS.items() for f in (f"--{k.replace('_', '-')}", str(v)))]
+MESHES = [("prefill", ["--tp", "2"]), ("decode", ["--ep", "2"]), ("decode", [])]
+
+
+class MeshStack(Stack):
+    """``test_disagg.Stack`` with the tiny-moe flags and a mesh per worker (``MESHES``);
+    the workers start together (their programs differ, so no compilation cache helps)."""
+
+    def __init__(self, workers):
+        self.procs, self.urls, self.mesh = {}, {"prefill": [], "decode": []}, {}
+        self.env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+                    "JAX_PLATFORMS": "cpu"}
+        for role, mesh in workers:
+            self.mesh[self.start(role, mesh)] = " ".join(mesh) or "single device"
+        self.wait()
+
+    def start(self, role, mesh):
+        port = _free_port()
+        url = f"http://127.0.0.1:{port}"
+        self.procs[url] = subprocess.Popen(
+            [sys.executable, "-m", "serving.worker", "--role", role, "--port", str(port),
+             *FLAGS, *mesh], start_new_session=True, env=self.env)
+        self.urls[role].append(url)
+        return url
+
+
+@pytest.fixture(scope="module")
+def stack():
+    s = MeshStack(MESHES)
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Aggregated engine on one device, same preset and seed: the oracle for greedy tokens."""
+    from serving.llm import LLM
+
+    return LLM("tiny-moe", **LIMITS)
+
+
+def test_greedy_tokens_across_meshes_equal_single_device(stack, reference, record_property):
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    batch = prompts(6, seed=4)  # 1 to 145 tokens
+    want = [o.token_ids for o in reference.generate(batch, params)]
+    per_request = {}
+    for d in stack.urls["decode"]:
+        outs = asyncio.run(run_all(Router(stack.urls["prefill"], [d], max_model_len=256,
+                                          max_logprobs=0), batch, params))
+        errors = [o for o in outs if isinstance(o, BaseException)]
+        assert not errors, (stack.mesh[d], errors[:3])
+        assert [o.token_ids for o in outs] == want, stack.mesh[d]
+        s = stack.stats(d)
+        assert s["transfers"] == len(batch) and s["transfer_failures"] == 0, s
+        per_request[stack.mesh[d]] = s["transfer_descriptors"] / s["transfers"]
+    record_property("descriptors_per_request", per_request)
+    print(f"descriptors per request, prefill --tp 2 -> decode: {per_request}")
+    # TP2 -> one head part cuts every KV and state row in two; EP2 writes both copies
+    assert per_request["--ep 2"] == 2 * per_request["single device"], per_request
+    assert pools_full(stack, stack.urls["prefill"] + stack.urls["decode"]) is True
+
+
+def test_source_record_reaching_past_the_lease_is_refused(stack):
+    p, d = stack.urls["prefill"][0], stack.urls["decode"][0]
+    params = {"max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+    prompt = prompts(1, seed=40)[0]
+    first = httpx.post(f"{p}/prefill", json={"request_id": "tamper", "prompt_token_ids": prompt,
+                                             "params": params}, timeout=60).json()
+    transfer, cache = first["transfer"], first["transfer"]["cache"]
+    unpinned = next(b for b in range(2**20) if b not in cache["blocks"])
+    body = {"request_id": "tamper", "prompt_token_ids": prompt,
+            "first_token": first["token_ids"][-1], "params": params}
+    for forged in ({**cache, "blocks": [unpinned, *cache["blocks"][1:]]},
+                   {**cache, "slot": (cache["slot"] + 1) % LIMITS["max_num_seqs"]}):
+        r = httpx.post(f"{d}/decode", json={**body, "transfer": {**transfer, "cache": forged}},
+                       timeout=60)
+        assert r.status_code == 400 and "not pinned" in r.json()["detail"], r.text
+    r = httpx.post(f"{d}/decode", json={**body, "transfer": transfer}, timeout=60)
+    assert r.status_code == 200 and '"error"' not in r.text, r.text  # the lease still serves
+    assert pools_full(stack, [p, d]) is True
