@@ -133,8 +133,9 @@ def measure_roofline(args, server_flags: list[str], result_dir: str) -> tuple:
     flags, _ = server_parser().parse_known_args(["--model", args.model, *server_flags])
     path = os.path.join(result_dir, "ceilings.json")
     env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
-    if gpus():
-        env["CUDA_VISIBLE_DEVICES"] = gpus()[0]
+    devices = gpus()
+    if devices:
+        env["CUDA_VISIBLE_DEVICES"] = devices[0]
     subprocess.run([sys.executable, "-m", "bench.roofline", "--json", path,
                     *args.ceiling_flags.split()], check=True, env=env)
     with open(path) as f:
@@ -255,9 +256,10 @@ def main(argv=None) -> None:
             # On GPUs the aggregated server gets the first --aggregated-gpus devices only,
             # and XLA there 95 % of each (its cache lives in XLA's pool), as the workers'
             # caches take what their pools leave.
+            devices = gpus()
             env = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95", **os.environ,
-                   "CUDA_VISIBLE_DEVICES": ",".join(gpus()[:args.aggregated_gpus])
-                   } if gpus() else None
+                   "CUDA_VISIBLE_DEVICES": ",".join(devices[:args.aggregated_gpus])
+                   } if devices else None
             procs.append(start_server([sys.executable, "-m", "serving.api", "--model",
                                        args.model, "--port", str(args.port + 1),
                                        *server_flags], agg, args.startup_timeout, env))

@@ -86,16 +86,13 @@ def step_floor(c: dict, seqs) -> dict:
 def abstract_costs(model: str, dtype, block_size: int) -> dict:
     """``model_costs`` of a preset or checkpoint directory from shapes alone (no weights
     or cache are allocated)."""
-    import os
-
     import jax.numpy as jnp
 
-    from qwen35_jax import get_preset
     from qwen35_jax.cache import HybridCache
-    from qwen35_jax.config import Qwen35Config
     from qwen35_jax.loader import abstract_model
+    from serving.llm import model_config
 
-    cfg = Qwen35Config.from_json(model) if os.path.isdir(model) else get_preset(model)
+    cfg = model_config(model)
     report = {"block_bytes": HybridCache.bytes_per_block(cfg, block_size, dtype),
               "slot_bytes": HybridCache.bytes_per_slot(cfg, dtype, jnp.float32)}
     return model_costs(abstract_model(cfg, dtype), report, block_size)

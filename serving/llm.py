@@ -22,6 +22,14 @@ from serving.engine import Engine, EngineConfig, RequestOutput, SamplingParams
 from serving.engine.capacity import allocate_cache, plan_capacity
 
 
+def model_config(model: str):
+    """The config of a checkpoint directory or a preset name, read without weights."""
+    import qwen35_jax
+    from qwen35_jax.config import Qwen35Config
+
+    return Qwen35Config.from_json(model) if os.path.isdir(model) else qwen35_jax.get_preset(model)
+
+
 def load_model(model, dtype, seed, mesh=None):
     """A model object as given (placed on ``mesh`` if one is given), a checkpoint
     directory, or a preset name (random weights), loaded straight into ``mesh``'s layout."""

@@ -51,7 +51,7 @@ from serving.engine import Engine, EngineConfig, SamplingParams
 from serving.engine.capacity import allocate_cache, plan_capacity
 from serving.kv_transfer import (allocate_registered_cache, compat_record, pull_items,
                                  shard_regions, source_record)
-from serving.llm import load_model
+from serving.llm import load_model, model_config
 from transfer import Agent, Faults, TransferManager, TransferParamsError, free_bytes, size_xla_pool
 
 log = logging.getLogger("serving.worker")
@@ -271,11 +271,8 @@ def _param_bytes(model: str, dtype: str) -> int:
     from flax import nnx
 
     import qwen35_jax
-    from qwen35_jax.config import Qwen35Config
 
-    cfg = (Qwen35Config.from_json(model) if os.path.isdir(model)
-           else qwen35_jax.get_preset(model))
-    state = nnx.state(qwen35_jax.abstract_model(cfg, jnp.dtype(dtype)))
+    state = nnx.state(qwen35_jax.abstract_model(model_config(model), jnp.dtype(dtype)))
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
 
 

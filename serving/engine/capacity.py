@@ -42,22 +42,20 @@ def plan_capacity(model_cfg, config: EngineConfig, dtype, memory_stats: dict | N
                   + math.prod(s["ssm"]) * ssm_dtype.itemsize // split.ssm)
     report = {"block_bytes": block_bytes, "slot_bytes": slot_bytes, "num_slots": config.num_slots}
     if config.num_blocks is None:
-        stats = memory_stats or jax.devices()[0].memory_stats()
-        if budget_bytes is not None:
-            budget = budget_bytes
-        elif not stats or "bytes_limit" not in stats:
-            raise ValueError("this device reports no memory statistics: set num_blocks")
-        else:
+        budget = budget_bytes
+        if budget is None:
+            stats = memory_stats or jax.devices()[0].memory_stats()
+            if not stats or "bytes_limit" not in stats:
+                raise ValueError("this device reports no memory statistics: set num_blocks")
             budget = int(stats["bytes_limit"] * config.memory_utilization) - stats["bytes_in_use"]
+            report.update(device_limit_bytes=stats["bytes_limit"],
+                          in_use_bytes=stats["bytes_in_use"])
         useful = config.max_num_seqs * config.max_blocks_per_seq
         config.num_blocks = min(useful, (budget - config.num_slots * slot_bytes) // block_bytes)
         if config.num_blocks < config.max_blocks_per_seq:
             raise ValueError(f"{budget / 2**30:.1f} GiB free leaves {config.num_blocks} KV blocks, "
                              f"fewer than one sequence of max_model_len needs")
         report.update(budget_bytes=budget)
-        if stats:
-            report.update(device_limit_bytes=stats.get("bytes_limit"),
-                          in_use_bytes=stats.get("bytes_in_use"))
     report.update(num_blocks=config.num_blocks, kv_bytes=config.num_blocks * block_bytes,
                   state_bytes=config.num_slots * slot_bytes,
                   kv_tokens=config.num_blocks * config.block_size)
