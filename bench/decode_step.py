@@ -18,6 +18,9 @@ token and once for ``1 + steps`` tokens (``ignore_eos``); a decode step costs th
 difference over ``steps`` (median of three such pairs), so prefill and start-up cancel. The caches are swapped under
 the same engine (``Runner.swap_cache``: same shapes and dtypes, so no recompile).
 First it counts the copies of a whole cache array in the compiled programs (none on CPU).
+With ``--profile`` it also traces the plain engine on XLA's cache (``bench.profile``) and
+prints one decode step's kernels by time, and how much of the step the device was busy;
+``--profile-prefill N`` does the same for one prefill step of an N-token prompt.
 """
 
 import argparse
@@ -30,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench import profile
 from serving.async_engine import AsyncEngine
 from serving.engine import Engine, EngineConfig, SamplingParams
 from serving.engine.buckets import Buckets
@@ -96,13 +100,17 @@ def main(argv=None) -> dict:
     p.add_argument("--max-model-len", type=int, default=9216,
                    help="sizes the caches (and so what a whole-cache copy would cost)")
     p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--profile", action="store_true",
+                   help="trace one decode step's kernels per batch size (plain engine, XLA cache)")
+    p.add_argument("--profile-prefill", type=int, default=0, metavar="N",
+                   help="also trace one prefill step of an N-token prompt")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
 
     on_cpu = jax.default_backend() == "cpu"
     dtype = jnp.float32 if on_cpu else jnp.bfloat16
     seqs = max(a.seqs)
-    tokens = max(a.prompt_len, 64) * seqs
+    tokens = max(max(a.prompt_len, 64) * seqs, a.profile_prefill)
     model = load_model(a.preset, dtype, 0)
     config = EngineConfig(max_num_seqs=seqs, max_num_batched_tokens=tokens,
                           max_model_len=a.max_model_len, block_size=a.block_size,
@@ -119,7 +127,13 @@ def main(argv=None) -> dict:
     copies = full_cache_copies(engine.runner)
     print("whole-cache copies per step:", {k: v for k, v in copies.items() if v} or "none")
     rng = np.random.default_rng(0)
-    rows = []
+    rows, profiles = [], {}
+    if a.profile_prefill:
+        prompt = [rng.integers(3, 500, a.profile_prefill).tolist()]
+        run_sync(engine, prompt, 1)  # warm
+        profiles["prefill"] = profile.kernel_times(lambda: run_sync(engine, prompt, 1))
+        print(f"one prefill step of {a.profile_prefill} tokens, from the trace:\n"
+              f"{profile.table(profiles['prefill'])}", flush=True)
     for cache_kind in ("xla", "registered"):
         if cache_kind != "xla":
             engine.runner.swap_cache(caches[cache_kind]())
@@ -130,6 +144,13 @@ def main(argv=None) -> dict:
                 rows.append({"cache": cache_kind, "loop": loop, "seqs": n, "step_ms": 1e3 * s})
                 print(f"cache {cache_kind:>10}  loop {loop:>6}  seqs {n:>4}  "
                       f"decode step {1e3 * s:8.2f} ms", flush=True)
+                if a.profile and cache_kind == "xla" and loop == "engine":
+                    step = profile.difference(
+                        profile.kernel_times(lambda: run(engine, prompts, 1 + a.steps)),
+                        profile.kernel_times(lambda: run(engine, prompts, 1)), a.steps)
+                    profiles[n] = step
+                    print(f"one decode step at {n} sequences, from the trace:\n"
+                          f"{profile.table(step)}", flush=True)
     base = {r["seqs"]: r["step_ms"] for r in rows if r["cache"] == "xla" and r["loop"] == "engine"}
     print("| cache | loop | seqs | decode step ms | vs xla + engine |\n|---|---|---|---|---|")
     for r in rows:
@@ -137,7 +158,7 @@ def main(argv=None) -> dict:
               f"{r['step_ms'] / base[r['seqs']]:.2f}x |")
     result = {"preset": a.preset, "device": jax.devices()[0].device_kind,
               "cache_gib": {"kv": config.num_blocks * engine.runner.cache.block_nbytes / 2**30},
-              "whole_cache_copies": copies, "rows": rows}
+              "whole_cache_copies": copies, "rows": rows, "profiles": profiles}
     if a.json:
         with open(a.json, "w") as f:
             json.dump(result, f, indent=1)

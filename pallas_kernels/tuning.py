@@ -70,6 +70,24 @@ ATTENTION = {
                     decode=dict(bk=16, warps=4, stages=2, min_programs=8, max_splits=4)),
 }
 
+# MoE grouped matmul (pallas_kernels/grouped_matmul/pallas_triton.py): "tiles" per
+# routed-row count (bm rows x bn columns per program, bk of K per inner step), for rows
+# up to each bound; "auto" takes JAX's Mosaic GPU kernel above "mgpu_above" rows.
+_GMM_DECODE = dict(bm=16, bn=128, bk=64, warps=4, stages=3)
+_GMM_MID = dict(bm=64, bn=128, bk=64, warps=4, stages=3)
+GROUPED_MATMUL = {
+    # H200 2026-11-30 (bench/RESULTS.md, issue 8): 16-row tiles within 10 % of the best
+    # of 8 tiles up to 2048 rows (256 sequences x top-8), 0.27 against Mosaic's 0.34 ms
+    # (2048 -> 1024) at 512 rows; 64-row tiles from 4096 rows; Mosaic above 16384 rows
+    # (where it also pays for copying the layer's experts out of the stack)
+    "sm90": dict(tiles=((2048, _GMM_DECODE), (None, _GMM_MID)), mgpu_above=16384),
+    # Blackwell: not measured yet; starts from the Hopper entry
+    "sm100": dict(tiles=((2048, _GMM_DECODE), (None, _GMM_MID)), mgpu_above=16384),
+    # CPU interpret mode: small tiles so the tests walk several row and K tiles
+    "default": dict(tiles=((None, dict(bm=16, bn=16, bk=16, warps=4, stages=2)),),
+                    mgpu_above=None),
+}
+
 
 @functools.lru_cache(maxsize=None)
 def gpu_arch() -> str | None:
@@ -115,3 +133,17 @@ def attention_config(is_decode, dtype, arch=None):
     if jnp.dtype(dtype) == jnp.float32:
         cfg.update(f32)
     return cfg
+
+
+def grouped_matmul_config(rows: int, arch=None) -> dict:
+    """The Pallas grouped matmul's tiles for `rows` routed rows."""
+    for bound, tiles in GROUPED_MATMUL[_family(arch or gpu_arch())]["tiles"]:
+        if bound is None or rows <= bound:
+            return tiles
+    raise AssertionError("every tile table ends with an unbounded entry")
+
+
+def grouped_matmul_prefers_mgpu(rows: int, arch=None) -> bool:
+    """Whether JAX's Mosaic GPU kernel beats the Pallas one at `rows` routed rows."""
+    above = GROUPED_MATMUL[_family(arch or gpu_arch())]["mgpu_above"]
+    return above is not None and rows > above

@@ -6,6 +6,12 @@ attention layer) is built once with stacked parameters and run with
 one copy of each layer type whatever the depth.  The whole hybrid cache rides
 in the scan carry and is indexed by layer, which keeps it one set of arrays
 that a jitted step updates in place.
+
+The MoE expert weights are the exception to scanning parameters: they stay out of
+the scanned slices and reach each layer as the whole stack, with the layer's index
+(``_split_experts``). A per-layer slice of a stacked parameter feeding a custom call
+is a copy inside the loop, and for the experts that copy was every expert of every
+layer on every step; the grouped matmul reads a layer's experts from the stack.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ class GDNDecoderLayer(nnx.Module):
     def __call__(self, h, conv, ssm, layer, meta):
         a, conv, ssm = self.linear_attn(self.input_layernorm(h), conv, ssm, layer, meta)
         h = h + a
-        return h + self.mlp(self.post_attention_layernorm(h)), conv, ssm
+        return h + self.mlp(self.post_attention_layernorm(h), layer), conv, ssm
 
 
 class AttentionDecoderLayer(nnx.Module):
@@ -55,7 +61,17 @@ class AttentionDecoderLayer(nnx.Module):
     def __call__(self, h, kv, layer, meta):
         a, kv = self.self_attn(self.input_layernorm(h), kv, layer, meta)
         h = h + a
-        return h + self.mlp(self.post_attention_layernorm(h)), kv
+        return h + self.mlp(self.post_attention_layernorm(h), layer), kv
+
+
+def _is_expert_weight(path, _):
+    return path[-1] in ("experts_gate_up", "experts_down")
+
+
+def _split_experts(stacked: nnx.Module):
+    """(graphdef, expert weights, the rest) of a stacked module: the rest is what a scan
+    slices per layer, the expert weights are passed whole (see the module docstring)."""
+    return nnx.split(stacked, _is_expert_weight, ...)
 
 
 def _stack(make, n: int, rngs: nnx.Rngs):
@@ -77,7 +93,7 @@ class LayerGroup(nnx.Module):
         self.attn = AttentionDecoderLayer(cfg, rngs=rngs, dtype=dtype)
 
     def __call__(self, h, cache: HybridCache, group, meta):
-        gdef, gstate = nnx.split(self.gdn)
+        gdef, experts, gstate = _split_experts(self.gdn)
         p, g, r = cache.conv.shape[:3]
         # GDN state pools viewed as [P, G*R, ...]: layer j of group `group` is row group*R + j.
         conv = cache.conv.reshape((p, g * r) + cache.conv.shape[3:])
@@ -86,7 +102,7 @@ class LayerGroup(nnx.Module):
         def gdn_step(carry, xs):
             h, conv, ssm = carry
             j, st = xs
-            return nnx.merge(gdef, st)(h, conv, ssm, group * r + j, meta), None
+            return nnx.merge(gdef, experts, st)(h, conv, ssm, group * r + j, meta), None
 
         (h, conv, ssm), _ = jax.lax.scan(gdn_step, (h, conv, ssm),
                                          (jnp.arange(r, dtype=jnp.int32), gstate))
@@ -112,12 +128,12 @@ class Qwen35ForCausalLM(nnx.Module):
         ``batch.logits_indices``, and the cache with this step's KV and GDN state."""
         meta = step_meta(batch, num_blocks=cache.num_blocks, block_size=cache.block_size)
         h = self.embed_tokens(batch.tokens)
-        gdef, gstate = nnx.split(self.groups)
+        gdef, experts, gstate = _split_experts(self.groups)
 
         def group_step(carry, xs):
             h, cache = carry
             i, st = xs
-            return nnx.merge(gdef, st)(h, cache, i, meta), None
+            return nnx.merge(gdef, experts, st)(h, cache, i, meta), None
 
         (h, cache), _ = jax.lax.scan(
             group_step, (h, cache),

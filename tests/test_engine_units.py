@@ -160,7 +160,7 @@ def test_sampler_filters_and_seeds():
     np.testing.assert_allclose(freq(), [0, 0, 1])
     s.top_k[:], s.min_p[:] = 0, 0.5
     np.testing.assert_allclose(freq(), [0, 0.375, 0.625], atol=0.03)
-    s.temperature[:] = 0
+    s.temperature[:], s.logprobs[:] = 0, True
     r = f(logits, s, 2)
     assert (np.asarray(r.token) == 2).all()
     np.testing.assert_allclose(np.asarray(r.logprob), np.log(0.5), rtol=1e-5)

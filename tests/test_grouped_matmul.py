@@ -1,7 +1,8 @@
-"""Grouped matmul: the reference against a float64 per-row oracle, and the
-padding contract around the Mosaic GPU kernel, checked on CPU with a stand-in
-that enforces that kernel's input rules and leaves unowned rows unwritten (NaN).
-The kernel itself runs only on sm90; bench/offline.py checks it there."""
+"""Grouped matmul: the reference and the Pallas kernel body (interpret mode) against a
+float64 per-row oracle, and the padding contract around the Mosaic GPU kernel, checked
+on CPU with a stand-in that enforces that kernel's input rules and leaves unowned rows
+unwritten (NaN). The GPU kernels run only on sm90; bench/grouped_matmul.py checks them
+there before timing."""
 
 import numpy as np
 import pytest
@@ -13,12 +14,12 @@ from pallas_kernels.grouped_matmul import (
     grouped_matmul, grouped_matmul_reference, mgpu_tiles, padded_call, resolve)
 
 
-def _oracle(x, w, sizes):
+def _oracle(x, w, sizes, offset=0):
     x, w = np.asarray(x, np.float64), np.asarray(w, np.float64)
     group = np.repeat(np.arange(len(sizes)), sizes)
     out = np.zeros((x.shape[0], w.shape[2]))
     for r, g in enumerate(group):
-        out[r] = x[r] @ w[g]
+        out[r] = x[r] @ w[offset + g]
     return out
 
 
@@ -76,8 +77,40 @@ def test_tiles_follow_the_operands():
                       jnp.zeros((4, 2000, 1024), jnp.bfloat16)) is None
 
 
+@pytest.mark.parametrize("dtype,bound", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)])
+@pytest.mark.parametrize("rows", [1, 16, 37, 90])
+def test_pallas_body_reads_one_layer_of_a_stack(rows, dtype, bound):
+    """The Pallas kernel body in interpret mode, on weights stacked over 3 layers: every
+    layer's offset, empty experts, groups longer than one row tile (16 rows, 16-wide K
+    and N tiles on CPU); rows past the groups are left alone, NaN never passes."""
+    rng = np.random.default_rng(rows)
+    experts, layers = 6, 3
+    x = rng.standard_normal((rows, 32)).astype(np.float32)
+    owned = rows - 3 if rows > 3 else rows  # the last rows belong to no group
+    sizes = rng.multinomial(owned, np.r_[0.3, 0, 0.2, 0.2, 0, 0.3]).astype(np.int32)
+    w = rng.standard_normal((layers * experts, 32, 48)).astype(np.float32)
+    xd, wd = jnp.asarray(x, dtype), jnp.asarray(w, dtype)
+    fn = jax.jit(lambda a, b, g, o: grouped_matmul(a, b, g, group_offset=o, backend="interpret"))
+    for layer in range(layers):
+        out = np.asarray(fn(xd, wd, jnp.asarray(sizes), layer * experts), np.float64)[:owned]
+        ref = _oracle(np.asarray(xd, np.float64), np.asarray(wd, np.float64), sizes,
+                      layer * experts)[:owned]
+        assert np.isfinite(out).all()
+        assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < bound, layer
+
+
+def test_reference_reads_one_layer_of_a_stack():
+    rng = np.random.default_rng(3)
+    x, _, sizes = _case(rng, 29, 4, 8, 8, empty=(2,))
+    w = rng.standard_normal((12, 8, 8)).astype(np.float32)
+    out = grouped_matmul_reference(jnp.asarray(x), jnp.asarray(w), jnp.asarray(sizes), 8)
+    ref = _oracle(x, w, sizes, 8)
+    assert np.linalg.norm(np.asarray(out) - ref) / np.linalg.norm(ref) < 1e-5
+
+
 def test_dispatch_on_cpu_is_the_reference():
     assert resolve("auto") == "reference" and resolve("mgpu") == "mgpu"
+    assert resolve("auto", rows=10**6) == "reference" and resolve("pallas") == "pallas"
     with pytest.raises(ValueError):
         resolve("triton")
     rng = np.random.default_rng(1)

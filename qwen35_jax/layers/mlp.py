@@ -17,5 +17,6 @@ class MLP(nnx.Module):
         self.up_proj = linear(hidden, inter, rngs, dtype)
         self.down_proj = linear(inter, hidden, rngs, dtype)
 
-    def __call__(self, x):
+    def __call__(self, x, layer=None):
+        """`layer` is unused: the MoE block, which takes the same call, needs it."""
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))

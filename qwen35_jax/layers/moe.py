@@ -12,6 +12,12 @@ its data shard, computes the copies routed to its own experts (the others sort
 past its groups and are masked) and a ``psum`` over the expert axes adds the
 partial outputs.  Routing stays outside, so every shard sees the same top-k.  The
 single-device path is the same function with all experts local.
+
+Stacked experts: the scanned model (model.py) passes each layer's expert weights as the
+whole stack over layers ([..., E, in, out]) with the layer's flat index, and the grouped
+matmul reads that layer's experts in place. Slicing a layer out of the stack inside the
+scan made XLA copy every layer's experts on every step (half of a 35B-A3B decode step on
+an H200: bench/RESULTS.md, issue 8).
 """
 
 from __future__ import annotations
@@ -46,24 +52,34 @@ class MoE(nnx.Module):
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
         return experts, weights.astype(logits.dtype)
 
-    def __call__(self, x):
+    def __call__(self, x, layer=None):
+        """`layer`: the flat index of this layer in the leading (stacked) dimensions of
+        the expert weights; needed only when they are stacked."""
         experts, weights = self.route(x)
         w_gate_up, w_down = self.experts_gate_up[...], self.experts_down[...]
+        if w_down.ndim > 3 and layer is None:
+            raise ValueError(f"expert weights stacked as {w_down.shape} need the layer index")
+        layer = jnp.asarray(0 if layer is None else layer, jnp.int32)
         mesh = jax.sharding.get_abstract_mesh()
         axes = () if mesh.empty else expert_axes(mesh, self.num_experts)
         if axis_size(mesh, axes) > 1:
-            routed = _expert_parallel(mesh, axes, x, experts, weights, w_gate_up, w_down)
+            routed = _expert_parallel(mesh, axes, x, experts, weights, w_gate_up, w_down, layer)
         else:
-            routed = _local_experts(x, experts, weights, w_gate_up, w_down, 0)
+            routed = _local_experts(x, experts, weights, w_gate_up, w_down, 0, layer)
         shared = jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return (routed + shared.astype(jnp.float32)).astype(x.dtype)
 
 
-def _local_experts(x, experts, weights, w_gate_up, w_down, first):
+def _local_experts(x, experts, weights, w_gate_up, w_down, first, layer):
     """Float32 [T, D] sum of the routed copies that go to experts ``first ..
-    first + len(w_gate_up) - 1`` (the weights held here); other copies contribute 0."""
+    first + n_local - 1`` (the weights held here, [..., n_local, in, out], stacked
+    over layers in the leading dimensions; this is flat layer `layer`); other copies
+    contribute 0."""
     t, d = x.shape
-    n_local, inter = w_down.shape[0], w_down.shape[1]
+    n_local, inter = w_down.shape[-3], w_down.shape[-2]
+    w_gate_up = w_gate_up.reshape((-1,) + w_gate_up.shape[-2:])
+    w_down = w_down.reshape((-1,) + w_down.shape[-2:])
+    offset = layer * n_local
     top_k = experts.shape[1]
     local = experts.reshape(-1) - first
     mine = (local >= 0) & (local < n_local)
@@ -71,14 +87,14 @@ def _local_experts(x, experts, weights, w_gate_up, w_down, first):
     order = jnp.argsort(key, stable=True)
     token_of = order // top_k
     group_sizes = jnp.bincount(key, length=n_local + 1)[:n_local].astype(jnp.int32)
-    gate_up = grouped_matmul(x[token_of], w_gate_up, group_sizes)
+    gate_up = grouped_matmul(x[token_of], w_gate_up, group_sizes, group_offset=offset)
     act = jax.nn.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-    out = grouped_matmul(act, w_down, group_sizes)
+    out = grouped_matmul(act, w_down, group_sizes, group_offset=offset)
     out = jnp.where(mine[order][:, None], out * weights.reshape(-1)[order][:, None], 0)
     return jnp.zeros((t, d), jnp.float32).at[token_of].add(out.astype(jnp.float32))
 
 
-def _expert_parallel(mesh, axes, x, experts, weights, w_gate_up, w_down):
+def _expert_parallel(mesh, axes, x, experts, weights, w_gate_up, w_down, layer):
     """``_local_experts`` on each expert shard, summed over the expert axes.
 
     Tokens stay split along ``data`` (each data shard routes its own tokens) and are
@@ -87,11 +103,13 @@ def _expert_parallel(mesh, axes, x, experts, weights, w_gate_up, w_down):
     pair), the equivalent of the all-to-all dispatch and combine when every expert
     shard already holds every token."""
     rows = P(DATA if DATA in mesh.shape else None)
-    n_local = w_down.shape[0] // axis_size(mesh, axes)
+    n_local = w_down.shape[-3] // axis_size(mesh, axes)
+    split = P(*(None,) * (w_down.ndim - 3), axes)  # the expert dimension, after the stack's
 
-    def body(x, experts, weights, w_gate_up, w_down):
+    def body(x, experts, weights, w_gate_up, w_down, layer):
         first = jax.lax.axis_index(axes) * n_local
-        return jax.lax.psum(_local_experts(x, experts, weights, w_gate_up, w_down, first), axes)
+        return jax.lax.psum(
+            _local_experts(x, experts, weights, w_gate_up, w_down, first, layer), axes)
 
-    return jax.shard_map(body, mesh=mesh, in_specs=(rows, rows, rows, P(axes), P(axes)),
-                         out_specs=rows)(x, experts, weights, w_gate_up, w_down)
+    return jax.shard_map(body, mesh=mesh, in_specs=(rows, rows, rows, split, split, P()),
+                         out_specs=rows)(x, experts, weights, w_gate_up, w_down, layer)

@@ -169,6 +169,7 @@ class Runner:
                 x.sampling.top_p[i] = p.top_p
                 x.sampling.min_p[i] = p.min_p
                 x.sampling.seed[i] = req.seed
+                x.sampling.logprobs[i] = p.logprobs is not None
                 x.sampling.position[i] = s.start + s.num_tokens
         x.cu_seqlens[len(sched.seqs) + 1:] = pos
         return x

@@ -3,6 +3,8 @@
 All options are per-row arrays, so one compiled program serves any mix of
 greedy and sampled requests. The random draw, and inside it the sort needed by
 top-k/top-p, run under `lax.cond`: an all-greedy batch pays for an argmax only.
+So do the top-n logprobs: a top-k over the vocabulary cost 1.7 ms of a 23 ms decode
+step at 64 sequences on an H200 (bench/RESULTS.md, issue 8), paid only when a row asks.
 
 Randomness: Gumbel-max with noise from a counter-based integer hash of
 (seed, token position, vocabulary index). The draw is a pure function of the
@@ -28,13 +30,15 @@ class SamplingArrays:
     min_p: jax.Array  # f32 [N]; 0 = off
     seed: jax.Array  # u32 [N]
     position: jax.Array  # i32 [N]; position of the token being sampled
+    logprobs: jax.Array  # bool [N]; the row wants its top-n logprobs
 
     @staticmethod
     def host(n: int) -> "SamplingArrays":
         """Greedy padding rows, to be filled in place on the host."""
         return SamplingArrays(np.zeros(n, np.float32), np.zeros(n, np.int32),
                               np.ones(n, np.float32), np.zeros(n, np.float32),
-                              np.zeros(n, np.uint32), np.zeros(n, np.int32))
+                              np.zeros(n, np.uint32), np.zeros(n, np.int32),
+                              np.zeros(n, bool))
 
 
 @dataclass
@@ -99,9 +103,8 @@ def sample(logits: jax.Array, s: SamplingArrays, num_top: int) -> SampleResult:
     token = jax.lax.cond(jnp.any(sampled), _draw, lambda x, s: greedy, logits, s)
     token = jnp.where(sampled, token, greedy)
     chosen = jnp.take_along_axis(logprobs, token[:, None], axis=-1)[:, 0]
-    if num_top > 0:
-        top_lp, top_ids = jax.lax.top_k(logprobs, num_top)
-    else:
-        top_lp = jnp.zeros((logits.shape[0], 0), jnp.float32)
-        top_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)
+    n = logits.shape[0]
+    none = lambda lp: (jnp.zeros((n, num_top), jnp.float32), jnp.zeros((n, num_top), jnp.int32))
+    top_lp, top_ids = (jax.lax.cond(jnp.any(s.logprobs), lambda lp: tuple(jax.lax.top_k(lp, num_top)),
+                                    none, logprobs) if num_top > 0 else none(logprobs))
     return SampleResult(token, chosen, top_ids.astype(jnp.int32), top_lp)

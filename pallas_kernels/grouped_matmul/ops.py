@@ -1,0 +1,57 @@
+"""Grouped matmul for MoE experts: rows sorted by expert, one weight matrix each.
+
+Backends:
+  "auto"      -> on sm90 / sm100: the Pallas Triton kernel up to the routed-row count
+                 the tuning table gives (decode and short prefill: it skips experts
+                 without rows and reads a layer's experts in place from a stack of
+                 layers), JAX's Mosaic GPU kernel above it (long prefill: wgmma + TMA),
+                 each where the shapes fit it; the reference elsewhere (CPU) or where
+                 neither fits.
+  "reference" -> ``jax.lax.ragged_dot`` (reference.py).
+  "mgpu"      -> the Mosaic GPU kernel (mgpu.py; sm90).
+  "pallas"    -> the Pallas Triton kernel compiled for the GPU (pallas_triton.py).
+  "interpret" -> the same Pallas kernel body in interpret mode (any platform).
+"""
+
+from __future__ import annotations
+
+from ..tuning import _family, gpu_arch, grouped_matmul_config, grouped_matmul_prefers_mgpu
+from .mgpu import mgpu_kernel, mgpu_tiles, padded_call
+from .pallas_triton import grouped_matmul_pallas, tiles_fit
+from .reference import grouped_matmul_reference, select_groups
+
+BACKENDS = ("auto", "reference", "mgpu", "pallas", "interpret")
+
+
+def resolve(backend: str = "auto", rows: int = 0) -> str:
+    """The backend "auto" means for `rows` routed rows on this platform."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; one of {BACKENDS}")
+    if backend != "auto":
+        return backend
+    if _family(gpu_arch()) == "default":
+        return "reference"
+    return "mgpu" if grouped_matmul_prefers_mgpu(rows) else "pallas"
+
+
+def grouped_matmul(x, w, group_sizes, *, group_offset=0, backend: str = "auto"):
+    """``out[r] = x[r] @ w[group_offset + g]`` for row r in group g (rows sorted by
+    group; ``w`` [G, K, N] may hold more groups than ``group_sizes`` [E], e.g. every
+    layer's experts). Rows past sum(group_sizes) are zero (reference) or unwritten
+    (kernels), so a caller must mask them (the MoE's expert-parallel path does).
+    "auto" falls back to the reference where no kernel fits (dtype, K or N)."""
+    chosen = resolve(backend, x.shape[0])
+    if chosen in ("pallas", "interpret"):
+        if backend != "auto" or tiles_fit(x, w, grouped_matmul_config(x.shape[0])):
+            return grouped_matmul_pallas(x, w, group_sizes, group_offset,
+                                         interpret=chosen == "interpret")
+        chosen = "mgpu"
+    if chosen == "mgpu":
+        w = select_groups(w, group_sizes.shape[0], group_offset)
+        tiles = mgpu_tiles(x, w)
+        if tiles is not None:
+            return padded_call(mgpu_kernel(), x, w, group_sizes, tiles)
+        if backend == "mgpu":
+            raise ValueError(f"mgpu grouped matmul does not take x {x.shape} {x.dtype}, "
+                             f"w {w.shape} {w.dtype}")
+    return grouped_matmul_reference(x, w, group_sizes, group_offset)
