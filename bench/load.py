@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 MEMORY_GAUGES = ("vllm:kv_cache_bytes_in_use", "vllm:state_bytes_in_use")
 TRANSFER_COUNTERS = ("vllm:kv_transfers_total", "vllm:kv_transfer_seconds_total",
-                     "vllm:kv_transfer_bytes_total")
+                     "vllm:kv_transfer_ack_seconds_total", "vllm:kv_transfer_bytes_total")
 
 
 def length_bounds(length: int, ratio: float, convention: str) -> tuple[int, int]:

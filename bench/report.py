@@ -30,6 +30,8 @@ def summarise(results: list[Result], duration: float, concurrency: int, num_gpus
         "transfers": transfers,
         "mean_transfer_ms": (1e3 * server.get("vllm:kv_transfer_seconds_total", 0.0)
                              / transfers if transfers else float("nan")),
+        "mean_transfer_ack_ms": (1e3 * server.get("vllm:kv_transfer_ack_seconds_total", 0.0)
+                                 / transfers if transfers else float("nan")),
         "mean_transfer_bytes": (server.get("vllm:kv_transfer_bytes_total", 0.0) / transfers
                                 if transfers else float("nan")),
         "max_concurrency": concurrency, "num_gpus": num_gpus, "duration": duration,
@@ -71,9 +73,9 @@ def table(s: dict) -> str:
     out += [line("Peak KV + state in use (GiB):",
                  f"{s['peak_kv_bytes'] / 2**30:.2f} + {s['peak_state_bytes'] / 2**30:.2f}")]
     if s["transfers"]:
-        out += [line("Transfers (mean ms, MiB per request):",
+        out += [line("Transfers (mean ms, of which to ack, MiB):",
                      f"{s['transfers']:.0f} ({s['mean_transfer_ms']:.1f}, "
-                     f"{s['mean_transfer_bytes'] / 2**20:.1f})")]
+                     f"{s['mean_transfer_ack_ms']:.1f}, {s['mean_transfer_bytes'] / 2**20:.1f})")]
     if "roofline_tokens_per_s_per_gpu" in s:
         out += [line("Roofline tok/s per GPU (share):",
                      f"{s['roofline_tokens_per_s_per_gpu']:.0f} ({s['roofline_share']:.0%})"),
@@ -94,7 +96,7 @@ def summary(rows: list[dict]) -> str:
     """One line per run: the sweep at a glance (Markdown)."""
     head = ("| mode | C | ok/all | duration s | req/s | out tok/s | total tok/s | tok/s/GPU "
             "| TTFT med/p99 ms | TPOT med/p99 ms | ITL med/p99 ms | peak KV+state GiB "
-            "| transfer ms/req | roofline tok/s/GPU (share) | decode floor ms (of TPOT) |")
+            "| transfer ms/req (to ack) | roofline tok/s/GPU (share) | decode floor ms (of TPOT) |")
     out = [head, "|" + "---|" * (head.count("|") - 1)]
     for s in rows:
         out.append(
@@ -106,7 +108,7 @@ def summary(rows: list[dict]) -> str:
             f"{s['median_tpot_ms']:.1f} / {s['p99_tpot_ms']:.1f} | "
             f"{s['median_itl_ms']:.1f} / {s['p99_itl_ms']:.1f} | "
             f"{(s['peak_kv_bytes'] + s['peak_state_bytes']) / 2**30:.2f} | "
-            f"{s['mean_transfer_ms']:.1f} | " + (
+            f"{s['mean_transfer_ms']:.1f} ({s['mean_transfer_ack_ms']:.1f}) | " + (
                 f"{s['roofline_tokens_per_s_per_gpu']:.0f} ({s['roofline_share']:.0%}) | "
                 f"{s['decode_step_floor_ms']:.1f} ({s['decode_floor_share']:.0%}) |"
                 if "roofline_share" in s else "- | - |"))

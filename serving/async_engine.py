@@ -33,7 +33,6 @@ from collections.abc import AsyncIterator, Callable
 from serving.engine import Engine, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
-IDLE_TICK = 0.02  # seconds between ticks of an idle engine that has a tick
 
 
 class EngineOverloaded(RuntimeError):
@@ -78,13 +77,11 @@ class RequestStream:
 
 class AsyncEngine:
     def __init__(self, engine: Engine, *, max_queued_requests: int = 1024,
-                 tick: Callable[[Engine], bool] | None = None):
-        """`tick(engine)` runs on the engine thread before every iteration (the
-        disaggregated worker polls its transfers there); while it returns True
-        the thread iterates every millisecond, otherwise every IDLE_TICK seconds
-        when nothing else wakes it: a peer may READ our memory at any time (a
-        replayed lease, say), and with NIXL's progress thread off that READ only
-        completes while we poll."""
+                 tick: Callable[[Engine], None] | None = None):
+        """`tick(engine)` runs on the engine thread before every iteration, and
+        on an idle engine whenever `wake()` is called (the disaggregated worker
+        collects transfer completions there, woken by its transfer progress
+        thread)."""
         self.engine = engine
         self.max_queued_requests = max_queued_requests
         self.max_model_len = engine.config.max_model_len
@@ -182,6 +179,10 @@ class AsyncEngine:
         self._thread.join(timeout=30)
         self.engine.close()
 
+    def wake(self) -> None:
+        """Have the engine thread iterate (and tick) soon, even when idle; any thread."""
+        self._wake.set()
+
     def _send(self, command: tuple) -> None:
         self._inbox.append(command)
         self._wake.set()
@@ -192,11 +193,10 @@ class AsyncEngine:
         drained = True
         try:
             while not self._stopping:
-                self._wake.clear()
+                self._wake.clear()  # before the tick: a wake() during it is not lost
                 self._apply_commands()
-                # After the commands: one of them may have started a pull or pinned a lease,
-                # which must be polled even if the engine then goes idle.
-                busy = self._tick(self.engine) if self._tick is not None else False
+                if self._tick is not None:
+                    self._tick(self.engine)
                 self._stats = self._snapshot()
                 if self.engine.has_unfinished():
                     self._deliver(self.engine.step())
@@ -207,8 +207,7 @@ class AsyncEngine:
                     self._deliver(self.engine.step())
                     drained = True
                 else:
-                    idle = IDLE_TICK if self._tick is not None else None
-                    self._wake.wait(timeout=0.001 if busy else idle)
+                    self._wake.wait()
         except BaseException as e:  # noqa: BLE001 -- every failure must reach the callers
             log.exception("engine loop failed")
             self.error = e

@@ -198,7 +198,8 @@ class Router:
         keys = ("num_running", "num_waiting", "num_blocks", "free_blocks", "num_slots",
                 "free_slots", "kv_bytes_in_use", "state_bytes_in_use", "num_preemptions",
                 "serving_compiles", "transfers",
-                "transfer_bytes", "transfer_seconds", "transfer_descriptors", "transfer_failures")
+                "transfer_bytes", "transfer_seconds", "transfer_ack_seconds",
+                "transfer_descriptors", "transfer_failures")
         total = {k: sum(s.get(k, 0) for s in self._stats.values()) for k in keys}
         total["kv_cache_usage"] = 1 - total["free_blocks"] / max(total["num_blocks"], 1)
         total["state_slot_usage"] = 1 - total["free_slots"] / max(total["num_slots"], 1)

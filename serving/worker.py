@@ -27,8 +27,16 @@ own split needs (``kv_transfer.pull_items``), checked to lie inside the pinned
 bytes.  Sharded workers run on CPU (DRAM) only: on GPU every device's shard would
 have to be allocated through DLPack (``transfer.memory``), which is not done yet.
 
-All transfer-manager calls run on the engine thread (``AsyncEngine.call`` and
-the tick), which owns the engine and the manager alike.
+Threads: the engine thread owns the engine and the transfer manager: it pins,
+pulls (``AsyncEngine.call`` and submits) and, in its tick between steps, collects
+what the transfers hand back (freed leases, landed READs, completions), since
+each of those changes the engine.  A ``transfer.ProgressThread`` runs the
+protocol meanwhile and wakes the engine thread when it leaves something to
+collect, so a prefill worker acks the decode side's ``done`` at once even in the
+middle of a long prefill step, and the lease's blocks go back to the pools at
+the next tick, through the step fence.  Acking first is safe: NIXL delivers
+``done`` only after the READ's data has landed, so nothing reads those blocks
+any more, and no step can write them before the tick releases them.
 """
 
 from __future__ import annotations
@@ -52,7 +60,8 @@ from serving.engine.capacity import allocate_cache, plan_capacity
 from serving.kv_transfer import (allocate_registered_cache, compat_record, pull_items,
                                  shard_regions, source_record)
 from serving.llm import load_model, model_config
-from transfer import Agent, Faults, TransferManager, TransferParamsError, free_bytes, size_xla_pool
+from transfer import (Agent, Faults, ProgressThread, TransferManager, TransferParamsError,
+                      free_bytes, size_xla_pool)
 
 log = logging.getLogger("serving.worker")
 
@@ -94,9 +103,13 @@ class Worker:
         # request id -> (future, its loop), resolved when the transfer is acked or fails
         # (see `decode`)
         self._confirmations: dict[str, tuple[asyncio.Future, asyncio.AbstractEventLoop]] = {}
+        # transfer_ack_seconds: of transfer_seconds, the time from the READ's landing to the
+        # source's ack, during which the request's outputs are held
         self.counters = {"transfers": 0, "transfer_bytes": 0, "transfer_seconds": 0.0,
-                         "transfer_descriptors": 0, "transfer_failures": 0, "leases_expired": 0}
+                         "transfer_ack_seconds": 0.0, "transfer_descriptors": 0,
+                         "transfer_failures": 0, "leases_expired": 0}
         self.engine = AsyncEngine(engine, tick=self._tick)
+        self.progress = ProgressThread(self.transfer, on_ready=self.engine.wake)
 
     # ---- prefill ------------------------------------------------------------------------
 
@@ -211,11 +224,12 @@ class Worker:
         if self.sharded:
             jax.block_until_ready(eng.runner.cache)
 
-    def _tick(self, eng) -> bool:
-        """Engine-thread housekeeping between steps; True while transfers are pending."""
-        completions = self.transfer.poll()
+    def _tick(self, eng) -> None:
+        """Between steps, on the engine thread: apply what the transfers handed back."""
+        completions = self.transfer.collect()  # runs on_free: leases' memory back to the pools
+        landed = self.transfer.landed()
         if not self.recompute:  # (a recompute must not follow tokens already computed)
-            for pull_id in self.transfer.landed():
+            for pull_id in landed:
                 if pull_id in self._pulls:
                     eng.finish_transfer(self._pulls[pull_id], ok=True)  # decode may start
                     self._started.add(pull_id)
@@ -229,6 +243,7 @@ class Worker:
                 self.counters["transfers"] += 1
                 self.counters["transfer_bytes"] += c.nbytes
                 self.counters["transfer_seconds"] += c.seconds
+                self.counters["transfer_ack_seconds"] += c.phases.get("ack", 0.0)
                 self.counters["transfer_descriptors"] += c.descriptors
                 if not started:
                     eng.finish_transfer(request_id, ok=True)
@@ -247,7 +262,6 @@ class Worker:
                 else:
                     eng.finish_transfer(request_id, ok=True)
                 self._confirm(request_id, error)
-        return bool(self._pulls) or self.transfer.leases > 0
 
     # ---- status -------------------------------------------------------------------------
 
@@ -263,6 +277,7 @@ class Worker:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+        self.progress.stop()
         self.transfer.close()
 
 

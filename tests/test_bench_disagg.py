@@ -139,6 +139,7 @@ def test_transfers_and_roofline_are_reported(run):
         if r["mode"] == "disaggregated":
             assert r["transfers"] == r["completed"]
             assert r["mean_transfer_ms"] > 0 and r["mean_transfer_bytes"] > 0
+            assert 0 < r["mean_transfer_ack_ms"] <= r["mean_transfer_ms"]
         else:
             assert r["transfers"] == 0 and math.isnan(r["mean_transfer_ms"])
         # the floor is finite and positive, and each share is measured over floor (no

@@ -8,6 +8,7 @@ aggregated engine in this process, same weights (same preset and seed).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -51,18 +52,20 @@ class Stack:
             self.start(role)
         self.wait()
 
-    def start(self, role):
+    def start(self, role, launch=("-m", "serving.worker"), env=None):
         port = _free_port()
         url = f"http://127.0.0.1:{port}"
         self.procs[url] = subprocess.Popen(
-            [sys.executable, "-m", "serving.worker", "--role", role, "--port", str(port), *FLAGS],
-            start_new_session=True, env=self.env)
+            [sys.executable, *launch, "--role", role, "--port", str(port), *FLAGS],
+            start_new_session=True, env={**self.env, **(env or {})})
         self.urls[role].append(url)
         return url
 
-    def wait(self, timeout=600):
+    def wait(self, timeout=600, urls=None):
         end = time.monotonic() + timeout
         for url, p in self.procs.items():
+            if urls is not None and url not in urls:
+                continue
             while True:
                 assert p.poll() is None, f"worker {url} died at start-up"
                 try:
@@ -158,6 +161,97 @@ def test_32_concurrent_greedy_requests_match_aggregated_three_times(stack, refer
     assert per_request <= 4, per_request
 
 
+SLOW_PREFILL_WORKER = """
+import os, sys, time
+from serving.engine.engine import Engine
+from serving.worker import main
+
+step = Engine.step
+
+def slow_step(self):
+    # After a step that dispatched a prefill, the engine thread is kept busy for
+    # SLOW_STEP_SECONDS, as it is while waiting for a long prefill step on a GPU.
+    before = self.stats["prefill_steps"]
+    outputs = step(self)
+    if self.stats["prefill_steps"] > before:
+        with open(os.environ["SLOW_STEP_LOG"], "a") as log:
+            print("start", time.monotonic(), file=log, flush=True)
+            time.sleep(float(os.environ["SLOW_STEP_SECONDS"]))
+            print("end", time.monotonic(), file=log, flush=True)
+    return outputs
+
+Engine.step = slow_step
+main(sys.argv[1:])
+"""
+
+
+def test_ack_does_not_wait_for_the_prefill_step_in_flight(stack, tmp_path):
+    """A prefill worker whose engine thread is busy for 5 s in each prefill step: the decode
+    side's pull of an earlier request is acked, and its first output streamed, while the
+    prefill worker is still inside the step of a later request (the ack is sent by the
+    transfer progress thread, not between steps). Times are CLOCK_MONOTONIC, shared by the
+    processes of one machine."""
+    slow, log = 5.0, tmp_path / "steps"
+    p = stack.start("prefill", launch=("-c", SLOW_PREFILL_WORKER),
+                    env={"SLOW_STEP_LOG": str(log), "SLOW_STEP_SECONDS": str(slow)})
+    stack.urls["prefill"].remove(p)  # no other test may route to it
+    d = stack.urls["decode"][0]
+    params = {"max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+
+    def steps():
+        lines = [line.split() for line in log.read_text().splitlines()] if log.exists() else []
+        return [float(t) for kind, t in lines if kind == "start"], \
+            [float(t) for kind, t in lines if kind == "end"]
+
+    def prefill(request_id, prompt, max_tokens=4):
+        body = {"request_id": request_id, "prompt_token_ids": prompt,
+                "params": {**params, "max_tokens": max_tokens}}
+        r = httpx.post(f"{p}/prefill", json=body, timeout=120)
+        r.raise_for_status()
+        return r.json()
+
+    async def decode(request_id, prompt, first):
+        """(monotonic time of the first NDJSON line, all lines)"""
+        body = {"request_id": request_id, "prompt_token_ids": prompt, "params": params,
+                "first_token": first["token_ids"][-1], "transfer": first["transfer"]}
+        lines, t_first = [], None
+        async with httpx.AsyncClient(timeout=120) as client:
+            async with client.stream("POST", f"{d}/decode", json=body) as r:
+                async for line in r.aiter_lines():
+                    if line:
+                        t_first = t_first or time.monotonic()
+                        lines.append(json.loads(line))
+        return t_first, lines
+
+    async def go(held):
+        # The later request's prefill step starts; pull the held one while it runs.
+        later = asyncio.ensure_future(asyncio.to_thread(prefill, "slow-later", [7] * 20, 1))
+        while len(steps()[0]) < 3:  # warm-up, held, later
+            await asyncio.sleep(0.05)
+        before = stack.stats(d)
+        t_first, lines = await decode("slow-held", [3] * 30, held)
+        await later
+        return t_first, lines, before
+
+    try:
+        stack.wait(urls=[p])
+        warm = prefill("slow-warm", [5] * 30)  # first pull from this worker: a fresh connection
+        _, lines = asyncio.run(decode("slow-warm", [5] * 30, warm))
+        assert lines[-1]["finished"] and "error" not in lines[-1], lines
+        held = prefill("slow-held", [3] * 30)
+        t_first, lines, before = asyncio.run(go(held))
+        after = stack.stats(d)
+        assert lines[-1]["finished"] and len(lines[-1]["token_ids"]) == 4, lines
+        starts, ends = steps()
+        assert len(ends) == 3
+        assert starts[2] < t_first < ends[2], (starts, ends, t_first)
+        assert after["transfers"] == before["transfers"] + 1
+        ack = after["transfer_ack_seconds"] - before["transfer_ack_seconds"]
+        assert ack < slow / 5, ack
+    finally:
+        stack.kill(p)
+
+
 def test_injected_transfer_error_and_timeout_fail_only_their_request(stack):
     d = stack.urls["decode"][0]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -181,8 +275,6 @@ def test_injected_transfer_error_and_timeout_fail_only_their_request(stack):
 
 def _decode_lines(url, body):
     """POST /decode and return (status, parsed NDJSON lines or the error body)."""
-    import json
-
     r = httpx.post(f"{url}/decode", json=body, timeout=60)
     if r.status_code != 200:
         return r.status_code, r.json()

@@ -69,6 +69,8 @@ def test_completion_and_chat_through_the_router(server):
         time.sleep(0.5)
     assert samples["vllm:kv_transfers_total"] == 3, samples
     assert samples["vllm:kv_transfer_failures_total"] == 0
+    ack = samples["vllm:kv_transfer_ack_seconds_total"]  # part of the transfers' time
+    assert 0 < ack <= samples["vllm:kv_transfer_seconds_total"], samples
     # one run of consecutive KV blocks + the conv slot + the recurrent slot
     assert samples["vllm:kv_transfer_descriptors_total"] == 3 * 3
     assert samples["vllm:num_requests_running"] == 0

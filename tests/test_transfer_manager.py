@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from serving.kv_transfer import CacheLayout, pull_items, source_record
-from transfer import (Agent, CompatibilityError, Region, TransferManager, TransferParamsError,
-                      allocate, host_view)
+from transfer import (Agent, CompatibilityError, ProgressThread, Region, TransferManager,
+                      TransferParamsError, allocate, host_view)
 
 BLOCK, BLOCKS, SLOT, SLOTS, CONV = 4096, 64, 2048, 4, 512
 # the regions above as a cache's blocks and slots (rows only matter between unequal splits)
@@ -322,6 +322,24 @@ def test_wait_returns_only_its_pulls_and_keeps_the_rest_for_poll(source, puller)
     finally:
         stop.set()
         acker.join()
+
+
+def test_progress_thread_acks_while_the_owner_is_busy_and_on_free_waits_for_collect(source,
+                                                                                     puller):
+    """The source's owner does not poll during the pull (as if inside a long engine step):
+    its progress thread acks the puller's "done" at once, tells the owner there is something
+    to collect, and leaves the lease's on_free to the owner's collect(), on its own thread."""
+    log, ready = [], threading.Event()
+    params = source.pin(blocks([30]), on_free=lambda lease, why: log.append(
+        (lease, why, threading.current_thread())))
+    progress = ProgressThread(source, on_ready=ready.set)
+    try:
+        pid = puller.pull(params, blocks([30]))
+        assert drive(puller, until=lambda d: pid in d)[pid].ok  # acked: nothing else polls source
+        assert ready.wait(5) and source.leases == 0 and log == []
+    finally:
+        progress.stop()
+    assert source.collect() == [] and log == [(params["lease"], "done", threading.current_thread())]
 
 
 def test_unpin_frees_at_once(source):

@@ -7,7 +7,8 @@ Knows regions, offsets and lengths, never models or requests (it imports nothing
 * ``descriptors``: items -> as few NIXL descriptors as the layout allows;
 * ``agent``: a NIXL agent (UCX) with its regions registered once;
 * ``handshake``: side channel for metadata and the compatibility check;
-* ``manager``: pin under a lease, pull (READ) with notification, timeouts, failure reports.
+* ``manager``: pin under a lease, pull (READ) with notification, timeouts, failure reports;
+* ``progress``: a thread that runs the manager's protocol while its owner is busy.
 
 At start-up, per worker::
 
@@ -15,8 +16,10 @@ At start-up, per worker::
     manager = TransferManager(Agent([kv_region, ...]), compat={"model": ..., ...})
 
 then the prefill side ``manager.pin(items, on_free=...)`` and hands the returned params to
-the decode side, which calls ``manager.pull(params, its_items)``; both call
-``manager.poll()`` every engine step. Items are ``(region name, byte offset, byte length)``.
+the decode side, which calls ``manager.pull(params, its_items)``. A ``ProgressThread(manager,
+on_ready)`` on each side answers messages at once; the engine thread calls
+``manager.collect()`` (and ``landed()``) between steps. Items are ``(region name, byte
+offset, byte length)``.
 """
 
 from transfer.agent import Agent
@@ -25,10 +28,11 @@ from transfer.handshake import CompatibilityError, HandshakeError, check_compati
 from transfer.manager import (Completion, Faults, TransferError, TransferManager,
                               TransferParamsError)
 from transfer.memory import AddressMovedError, Region, allocate, free_bytes, host_view, size_xla_pool
+from transfer.progress import ProgressThread
 
 __all__ = [
     "AddressMovedError", "Agent", "CompatibilityError", "Completion", "DescriptorError", "Faults",
-    "HandshakeError", "Plan", "Region", "TransferError", "TransferManager", "TransferParamsError",
-    "allocate", "check_compatible", "coalesce", "free_bytes", "host_view", "plan",
-    "size_xla_pool",
+    "HandshakeError", "Plan", "ProgressThread", "Region", "TransferError", "TransferManager",
+    "TransferParamsError", "allocate", "check_compatible", "coalesce", "free_bytes", "host_view",
+    "plan", "size_xla_pool",
 ]

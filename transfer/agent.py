@@ -7,8 +7,12 @@ GPU) so that every transfer is one NIXL request. On GPU, create the agent (and p
 transfers) on a thread whose current CUDA device is the regions' one; the constructor makes
 it current for its own thread.
 
-The agent runs in NIXL's STRICT thread-sync mode, so calls from several threads are safe;
-``TransferManager`` makes all of its calls from its owner thread anyway.
+The agent runs in NIXL's STRICT thread-sync mode, so calls from several threads are safe:
+the NIXL agent then takes one mutex around every call into its backends, and the UCX
+backend runs its worker in UCX's SERIALIZED mode (NIXL's ``src/core/sync.h`` and
+``makeMtType`` in ``src/plugins/ucx/ucx_utils.cpp``). ``TransferManager`` calls it from its
+owner thread and its progress thread, one call at a time under its own lock; a thread that
+calls it binds itself first (``bind_thread``).
 """
 
 from __future__ import annotations
@@ -44,12 +48,14 @@ class Agent:
         if len(mem_types) != 1:
             raise ValueError(f"regions of one agent must share a memory type, got {sorted(mem_types)}")
         self.mem_type = mem_types.pop()
-        make_current(regions[0])  # before UCX starts: it chooses GPU transports per thread
+        self.regions = {r.name: r for r in regions}
+        self.bind_thread()  # before UCX starts
         self.name = name or f"transfer-{uuid.uuid4().hex}"
         # NIXL's progress thread spins (its Python API fixes the delay at 0): on CPU it took
-        # ~10 % of a core per idle agent. Without it UCX advances only inside the owner's
-        # NIXL calls, so both sides must call ``TransferManager.poll()`` regularly, also
-        # when idle (a peer may READ at any time); the workers do. READs then complete as
+        # ~10 % of a core per idle agent. Without it UCX advances only inside our NIXL
+        # calls, so both sides must call ``TransferManager.progress()`` regularly, also
+        # when idle (a peer may READ at any time); the workers' ``transfer.progress``
+        # threads do, every millisecond while a lease or pull is open. READs then complete as
         # fast (measured 2026-11-30, CPU, 64 MiB). On GPU a bare READ did not complete
         # without the thread (2×H200, same day), so VRAM agents keep it by default.
         if progress_thread is None:
@@ -60,9 +66,14 @@ class Agent:
         self._nixl = nixl_agent(self.name, config)
         if "UCX" not in self._nixl.backends:
             raise RuntimeError("NIXL's UCX backend is unavailable")
-        self.regions = {r.name: r for r in regions}
         self._registered = self._nixl.register_memory(
             [(r.addr, r.nbytes, r.device_id, "") for r in regions], self.mem_type, backends=["UCX"])
+
+    def bind_thread(self) -> None:
+        """Make the regions' CUDA device current in the calling thread (no-op for DRAM);
+        call it in every thread that uses the agent, before its first call there. UCX
+        chooses GPU transports per thread: without a current context it leaves out cuda_ipc."""
+        make_current(next(iter(self.regions.values())))
 
     def metadata(self) -> bytes:
         """Everything a peer needs to reach this agent's registered memory."""

@@ -4,8 +4,8 @@ Source side (prefill)::
 
     params = mgr.pin(items, on_free=callback)   # JSON-able; travels to the puller
     ...                                          # call mgr.poll() regularly
-    # callback(lease_id, reason) runs from poll(): "done", "expired", "dropped" (the
-    # puller gave up), or from unpin(lease, reason)
+    # callback(lease_id, reason) runs from poll() or collect(): "done", "expired",
+    # "dropped" (the puller gave up), or from unpin(lease, reason)
 
 Puller side (decode)::
 
@@ -13,6 +13,7 @@ Puller side (decode)::
     # or, remote_items=[...]: ranges inside the pinned items, in the order of local_items
     for c in mgr.poll(): ...                     # Completion: ok, or error.kind
                                                  # "error" | "timeout" | "peer_gone" | "stale"
+                                                 # (or collect(), see Threading below)
     mgr.landed()                                 # pulls whose bytes are in place, ack pending:
                                                  # usable, but nothing derived may escape yet
 
@@ -27,10 +28,11 @@ once the handshake is done:
   arrived, or ``ack <lease> <tag> stale`` if it had already been freed. It remembers which
   (puller, tag) freed each recent lease, so a repeated ``done`` of *that* pull is acked
   "ok" again while any other pull of a spent lease (reused params) gets "stale". A lease
-  is freed only inside ``poll()``, and ``poll()`` handles notifications before expiring
-  leases, so "ok" proves the bytes stayed pinned for the whole READ. Only then is a pull complete: a lease
-  that expired under a slow READ is reported as ``stale`` instead of silently serving
-  reused blocks (vLLM's failure mode);
+  leaves the pinned set under the manager's lock, each ``progress()`` handles
+  notifications before expiring leases, and the owner gets the bytes back (``on_free``)
+  only afterwards, so "ok" proves the bytes stayed pinned for the whole READ. Only then
+  is a pull complete: a lease that expired under a slow READ is reported as ``stale``
+  instead of silently serving reused blocks (vLLM's failure mode);
 * while a pull is pending the puller sends ``extend <lease>`` every third of the lease's
   TTL; the source pushes the expiry out by one TTL, measured on its own clock;
 * a pull that fails sends ``drop <lease>`` so the source frees at once instead of at expiry.
@@ -44,10 +46,23 @@ outside the peer's regions, or name an agent that is not (or no longer) the peer
 given address are refused by ``pull()`` with ``TransferParamsError`` before anything is
 posted.
 
-Threading: every method belongs to one owner thread (the engine loop), and every NIXL call
-is made from it: the handshake thread only queues the pullers it accepted, and ``poll()``
-loads their metadata. (On GPU, UCX sets up endpoints per thread and needs the CUDA context
-current there; the handshake thread has none.)
+Threading: ``poll()`` is two halves, so that a source answers ``done`` at once even while
+its owner is busy (a worker's engine thread, inside a prefill step of hundreds of ms):
+
+* ``progress()`` does the protocol: it loads pullers that connected, handles notifications
+  (acks ``done``, extends, drops), checks READs, resends, expires leases, fails pulls past
+  their deadline. It never calls the owner's code: a lease it frees is queued. It may run
+  on any thread, and usually runs on a ``transfer.progress.ProgressThread``;
+* ``collect()`` belongs to the owner's thread: it runs the queued ``on_free`` callbacks
+  (which give memory back to an engine that only its own thread may touch) and returns the
+  completions; ``landed()`` likewise.
+
+``pin``, ``unpin``, ``pull``, ``connect`` and ``peer_lost`` belong to the owner as well. All
+state is guarded by one lock, and every NIXL call is made under it, so calls into the agent
+never overlap; NIXL's STRICT mode would serialise them anyway (``transfer.agent``). The
+handshake thread only queues the pullers it accepted, and ``progress()`` loads their
+metadata, on a thread whose CUDA device is current (``Agent.bind_thread``): on GPU, UCX
+picks its transports per thread.
 """
 
 from __future__ import annotations
@@ -57,6 +72,7 @@ import dataclasses
 import itertools
 import logging
 import queue
+import threading
 import time
 import uuid
 from typing import Callable, Iterable, Sequence
@@ -150,6 +166,8 @@ class TransferManager:
     ``compat`` is this side's compatibility record (see ``transfer.handshake``); the
     endpoint serves on ``host:port`` (0: any free port) from construction until ``close()``;
     ``lease_ttl`` is the default lease lifetime in seconds; ``faults`` injects failures.
+    ``opened`` is set whenever the owner pins or pulls, so a progress thread that idles
+    between polls can wake up at once (``transfer.progress``).
     """
 
     def __init__(self, agent: Agent, compat: dict, *, host: str = "127.0.0.1", port: int = 0,
@@ -169,9 +187,13 @@ class TransferManager:
         self._completed: collections.OrderedDict[str, tuple[str, str]] = collections.OrderedDict()
         self._pulls: dict[int, _Pull] = {}
         self._zombies: list = []  # handles NIXL would not release yet
-        self._done: list[Completion] = []  # completed but not yet returned by poll()
+        self._done: list[Completion] = []  # completed but not yet returned by collect()
         self._landed: list[int] = []  # pulls whose READ finished, not yet returned by landed()
+        # leases freed by progress(), their on_free not yet run by collect(): (lease, held, reason)
+        self._freed: list[tuple[str, _Lease, str]] = []
         self._proven: set[str] = set()  # peers with a completed pull: connection fully set up
+        self._lock = threading.Lock()  # guards all of the above and every NIXL call
+        self.opened = threading.Event()
         self._server = HandshakeServer(self._hello, self._incoming.put, host, port)
 
     # ---- peers ---------------------------------------------------------------------------
@@ -186,9 +208,10 @@ class TransferManager:
 
         Raises CompatibilityError on a mismatched peer, HandshakeError if unreachable.
         """
-        peer = exchange(tuple(address), self._hello, timeout)
-        self._add_peer(peer)
-        self._addresses[peer.agent] = tuple(address)
+        peer = exchange(tuple(address), self._hello, timeout)  # a socket round trip: unlocked
+        with self._lock:
+            self._add_peer(peer)
+            self._addresses[peer.agent] = tuple(address)
         return peer.agent
 
     def _add_peer(self, peer: Hello) -> None:
@@ -198,13 +221,14 @@ class TransferManager:
 
     def peer_lost(self, name: str) -> None:
         """The owner learnt that peer ``name`` is gone: fail its pulls and forget it."""
-        for p in [p for p in self._pulls.values() if p.peer == name]:
-            self._fail(p, PEER_GONE, f"peer {name} declared lost", notify=False)
-        known = self._peers.pop(name, None)
-        self._addresses.pop(name, None)
-        self._proven.discard(name)
-        if known is not None:
-            self.agent.remove_peer(name)
+        with self._lock:
+            for p in [p for p in self._pulls.values() if p.peer == name]:
+                self._fail(p, PEER_GONE, f"peer {name} declared lost", notify=False)
+            known = self._peers.pop(name, None)
+            self._addresses.pop(name, None)
+            self._proven.discard(name)
+            if known is not None:
+                self.agent.remove_peer(name)
 
     # ---- source side ---------------------------------------------------------------------
 
@@ -213,35 +237,44 @@ class TransferManager:
         """Hold ``items`` (``(region, offset, length)``, in stream order) under a new lease.
 
         Returns the transfer parameters for a puller. ``on_free(lease_id, reason)`` runs
-        from ``poll()`` (or ``unpin``) exactly once, when the bytes may be reused.
+        exactly once, on the owner's thread, from ``collect()`` (or ``poll()``, or ``unpin``),
+        when the bytes may be reused.
         """
         items = descriptors.validate(items, self.agent.regions, "pinned")
         ttl = self.lease_ttl if ttl is None else float(ttl)
-        lease = f"{self._epoch}.{next(self._lease_ids)}"
-        self._leases[lease] = _Lease(ttl, time.monotonic() + ttl, on_free)
+        with self._lock:
+            lease = f"{self._epoch}.{next(self._lease_ids)}"
+            self._leases[lease] = _Lease(ttl, time.monotonic() + ttl, on_free)
+        self.opened.set()
         return {"agent": self.agent.name, "address": list(self.address), "lease": lease,
                 "items": [list(x) for x in items], "ttl": ttl}
 
     def unpin(self, lease: str, reason: str = "released") -> bool:
         """Free a lease now (request aborted, say); False if it was no longer held."""
-        held = self._leases.pop(lease, None)
-        if held is not None and held.on_free is not None:
-            try:
-                held.on_free(lease, reason)
-            except Exception:  # the owner's bug must not stall other leases' and pulls' messages
-                log.exception("on_free callback for lease %s failed", lease)
+        with self._lock:
+            held = self._leases.pop(lease, None)
+        if held is not None:
+            _run_on_free(lease, held, reason)
         return held is not None
+
+    def _free(self, lease: str, reason: str) -> None:
+        """Unpin under the lock, from progress(): the owner runs ``on_free`` in collect()."""
+        held = self._leases.pop(lease, None)
+        if held is not None:
+            self._freed.append((lease, held, reason))
 
     @property
     def leases(self) -> int:
-        """Leases currently held."""
+        """Leases currently pinned (a lease freed by ``progress()`` no longer counts, though
+        its ``on_free`` may still be waiting for ``collect()``)."""
         return len(self._leases)
 
     # ---- puller side ---------------------------------------------------------------------
 
     def pull(self, params: dict, local_items: Sequence, timeout: float = 10.0,
              remote_items: Sequence | None = None) -> int:
-        """Start READing a lease's bytes into ``local_items``; returns a pull id for ``poll()``.
+        """Start READing a lease's bytes into ``local_items``; returns the pull id that its
+        completion (``collect()``) and ``landed()`` report.
 
         The bytes read are the pinned items in stream order, or ``remote_items``: byte
         ranges inside the pinned ones, in the order the puller needs (a peer whose cache
@@ -258,10 +291,13 @@ class TransferManager:
         try:
             peer = self._resolve(agent, address)
         except HandshakeError as e:  # a runtime failure, not the caller's mistake
-            return self._failed_at_once(lease, TransferError(PEER_GONE, f"source unreachable: {e}"))
-        if any(p.lease == lease and p.peer == agent for p in self._pulls.values()):
-            raise TransferParamsError(f"lease {lease!r} of {agent} is already being pulled")
-        try:
+            with self._lock:
+                return self._failed_at_once(
+                    lease, TransferError(PEER_GONE, f"source unreachable: {e}"))
+        with self._lock:  # only the owner adds pulls: the answer holds until _start below
+            if any(p.lease == lease and p.peer == agent for p in self._pulls.values()):
+                raise TransferParamsError(f"lease {lease!r} of {agent} is already being pulled")
+        try:  # planning reads only this pull's arguments and immutable region tables: unlocked
             if remote_items is None:
                 remote_items = pinned
             else:
@@ -269,6 +305,13 @@ class TransferManager:
             plan = descriptors.plan(local_items, self.agent.regions, remote_items, peer.regions)
         except descriptors.DescriptorError as e:
             raise TransferParamsError(str(e)) from None
+        with self._lock:
+            pull_id = self._start(agent, lease, plan, ttl, started, timeout)
+        self.opened.set()
+        return pull_id
+
+    def _start(self, agent: str, lease: str, plan: descriptors.Plan, ttl: float, started: float,
+               timeout: float) -> int:
         now = time.monotonic()
         p = _Pull(next(self._pull_ids), agent, lease, plan, ttl, started, now + timeout,
                   now + ttl / 3, marks={"plan": now})
@@ -298,7 +341,8 @@ class TransferManager:
         return pull_id
 
     def _resolve(self, agent: str, address: Address | None) -> Hello:
-        peer = self._peers.get(agent)
+        with self._lock:
+            peer = self._peers.get(agent)
         if peer is not None:
             return peer
         if address is None:
@@ -310,7 +354,8 @@ class TransferManager:
         if found != agent:
             raise TransferParamsError(f"stale params: {address[0]}:{address[1]} is now agent {found!r}, "
                                       f"not {agent!r} (the source restarted)")
-        return self._peers[agent]
+        with self._lock:
+            return self._peers[agent]
 
     def _post(self, p: _Pull) -> None:
         msg = f"done {p.lease} {p.tag}".encode()
@@ -385,10 +430,36 @@ class TransferManager:
         """Pulls not yet completed."""
         return len(self._pulls)
 
+    @property
+    def busy(self) -> bool:
+        """Whether a lease or a pull is open, so a message may be due any moment."""
+        return bool(self._leases or self._pulls)
+
     # ---- progress ------------------------------------------------------------------------
 
     def poll(self) -> list[Completion]:
-        """Advance everything once; returns the pulls completed since the last call."""
+        """``progress()`` then ``collect()``: for an owner that drives the manager itself."""
+        self.progress()
+        return self.collect()
+
+    def progress(self) -> bool:
+        """Advance the protocol once; any thread. Returns whether ``collect()`` or
+        ``landed()`` now have something for the owner."""
+        with self._lock:
+            self._progress()
+            return bool(self._done or self._landed or self._freed)
+
+    def collect(self) -> list[Completion]:
+        """Owner's thread: run the ``on_free`` callbacks of leases that ``progress()`` freed,
+        then return the pulls completed since the last call."""
+        with self._lock:
+            freed, self._freed = self._freed, []
+            done, self._done = self._done, []
+        for lease, held, reason in freed:
+            _run_on_free(lease, held, reason)
+        return done
+
+    def _progress(self) -> None:
         while not self._incoming.empty():  # pullers that connected to us: needed for acks
             self._add_peer(self._incoming.get())
         now = time.monotonic()
@@ -414,19 +485,18 @@ class TransferManager:
                 p.queued = False
                 self._post(p)
         for lease in [k for k, v in self._leases.items() if v.expires <= now]:
-            self.unpin(lease, "expired")
+            self._free(lease, "expired")
         self._zombies = [h for h in self._zombies if not self.agent.release(h)]
-        done, self._done = self._done, []
-        return done
 
     def landed(self) -> list[int]:
         """Pulls whose READ has finished since the last call (the bytes are in place).
 
         The pull is not complete until the source acks: a puller may start using the bytes
-        now but must not let anything derived from them escape before ``poll()`` reports
+        now but must not let anything derived from them escape before ``collect()`` reports
         the pull ok, since a "stale" ack means the source reused them during the READ.
         """
-        out, self._landed = self._landed, []
+        with self._lock:
+            out, self._landed = self._landed, []
         return out
 
     def wait(self, pull_ids: Iterable[int], timeout: float) -> dict[int, Completion]:
@@ -440,7 +510,8 @@ class TransferManager:
                 else:
                     later.append(c)
             time.sleep(0.0005)
-        self._done[:0] = later
+        with self._lock:
+            self._done[:0] = later
         return got
 
     def _on_message(self, sender: str, message: bytes, now: float) -> None:
@@ -451,7 +522,7 @@ class TransferManager:
             ok = held is not None or self._completed.get(lease) == (sender, parts[2])
             self._send(sender, f"ack {lease} {parts[2]} {'ok' if ok else 'stale'}")
             if held:
-                self.unpin(lease, "done")
+                self._free(lease, "done")
                 self._completed[lease] = (sender, parts[2])
                 if len(self._completed) > REMEMBERED:
                     self._completed.popitem(last=False)
@@ -459,7 +530,7 @@ class TransferManager:
             held = self._leases[lease]
             held.expires = max(held.expires, now + held.ttl)
         elif kind == "drop":
-            self.unpin(lease, "dropped")
+            self._free(lease, "dropped")
         elif kind == "ack" and len(parts) == 4:
             for p in self._pulls.values():
                 if p.peer == sender and p.tag == parts[2]:  # acks of earlier pulls are ignored
@@ -476,13 +547,23 @@ class TransferManager:
             log.warning("notification %r to %s failed: %r", message, peer, e)
 
     def close(self) -> None:
-        """Stop serving, cancel pulls (reported by no one), release the agent's registrations."""
+        """Stop serving, cancel pulls (reported by no one), release the agent's registrations.
+        Stop any progress thread first: the agent must not be used afterwards."""
         self._server.close()
-        for p in list(self._pulls.values()):
-            if p.handle is not None:
-                self.agent.release(p.handle)
-        self._pulls.clear()
-        self.agent.close()
+        with self._lock:
+            for p in list(self._pulls.values()):
+                if p.handle is not None:
+                    self.agent.release(p.handle)
+            self._pulls.clear()
+            self.agent.close()
+
+
+def _run_on_free(lease: str, held: _Lease, reason: str) -> None:
+    if held.on_free is not None:
+        try:
+            held.on_free(lease, reason)
+        except Exception:  # the owner's bug must not stall the other leases
+            log.exception("on_free callback for lease %s failed", lease)
 
 
 def _parse(params) -> tuple[str, str, list, float, Address | None]:

@@ -40,7 +40,7 @@ class Backend(Protocol):
     def stats(self) -> dict:
         """Counters for /metrics: num_running, num_waiting, kv_cache_usage,
         state_slot_usage, num_preemptions, serving_compiles; optionally
-        transfers, transfer_bytes, transfer_seconds (cumulative)."""
+        transfers, transfer_bytes, transfer_seconds, transfer_ack_seconds (cumulative)."""
 
     def check_health(self) -> None:
         """Raises EngineDead when requests can no longer be served."""

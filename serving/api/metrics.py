@@ -131,6 +131,9 @@ class _BackendCollector:
         yield counter("vllm:kv_transfer_seconds", "Time spent in transfers (divided by "
                       "vllm:kv_transfers_total: the mean latency)",
                       s.get("transfer_seconds", 0.0))
+        yield counter("vllm:kv_transfer_ack_seconds", "Of vllm:kv_transfer_seconds, the time "
+                      "from a READ's landing to the source's ack, which holds the request's "
+                      "first outputs", s.get("transfer_ack_seconds", 0.0))
         yield counter("vllm:kv_transfer_descriptors", "NIXL descriptors posted by transfers "
                       "(divided by vllm:kv_transfers_total: descriptors per request)",
                       s.get("transfer_descriptors", 0))
