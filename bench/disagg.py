@@ -10,8 +10,8 @@ Starts the disaggregated stack itself (``python -m serving``) unless
 starts the aggregated server (``python -m serving.api``) and sends it the same
 requests in the same invocation, and reports per level how many greedy completions
 came out identical in both modes.  Flags the benchmark does not know go to the
-servers it starts (to both, so give engine flags only with
-``--compare-aggregated``).  For the tiny presets without engine flags the
+servers it starts (engine flags to both; the launcher's own, such as
+``--prefill-workers`` or ``--decode-args``, to the disaggregated stack only).  For the tiny presets without engine flags the
 servers get small CPU limits (``CPU_ENGINE_FLAGS``): the servers' own CPU
 defaults pad every prefill step to 8 sequences, which makes a 64-token prompt
 cost about five times more than it must on a CPU.
@@ -55,7 +55,7 @@ import httpx
 
 from bench.load import arrivals, dataset, length_bounds, run_level
 from bench.report import greedy_agreement, plot, roofline_figures, summarise, summary, table
-from serving.__main__ import gpus
+from serving.__main__ import LAUNCHER_FLAGS, gpus, without_flags
 from serving.__main__ import parser as stack_parser
 
 # Small engine limits for a CPU: one 64-token prefill program per sequence bucket
@@ -262,7 +262,8 @@ def main(argv=None) -> None:
                    } if devices else None
             procs.append(start_server([sys.executable, "-m", "serving.api", "--model",
                                        args.model, "--port", str(args.port + 1),
-                                       *server_flags], agg, args.startup_timeout, env))
+                                       *without_flags(server_flags, LAUNCHER_FLAGS)],
+                                      agg, args.startup_timeout, env))
             run_mode("aggregated", agg, args, args.aggregated_gpus, roof, rows)
     finally:
         for proc in procs:

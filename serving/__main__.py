@@ -40,22 +40,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def worker_flags(args, argv: list[str]) -> list[str]:
-    """The engine flags given on our command line, passed through to the workers."""
-    ours = {"--prefill-workers", "--decode-workers", "--port", "--host", "--startup-timeout",
-            "--served-model-name", "--max-queued-requests", "--tokenizer", "--prefill-args",
-            "--decode-args"}
+# Flags of the launcher alone: the aggregated server (``python -m serving.api``) has none.
+LAUNCHER_FLAGS = frozenset({"--prefill-workers", "--decode-workers", "--prefill-args",
+                            "--decode-args"})
+
+
+def without_flags(argv: list[str], names) -> list[str]:
+    """`argv` without the flags in `names` and their values (``--f v`` or ``--f=v``)."""
     out, skip = [], False
-    for i, a in enumerate(argv):
+    for a in argv:
         if skip:
             skip = False
             continue
-        key = a.split("=", 1)[0]
-        if key in ours:
+        if a.split("=", 1)[0] in names:
             skip = "=" not in a
             continue
         out.append(a)
     return out
+
+
+def worker_flags(args, argv: list[str]) -> list[str]:
+    """The engine flags given on our command line, passed through to the workers."""
+    return without_flags(argv, LAUNCHER_FLAGS | {
+        "--port", "--host", "--startup-timeout", "--served-model-name",
+        "--max-queued-requests", "--tokenizer"})
 
 
 def gpus() -> list[str]:
