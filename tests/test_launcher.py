@@ -114,3 +114,6 @@ def test_role_args_reach_only_their_role(monkeypatch):
     assert [cmd[cmd.index("--role") + 1] for cmd, _ in started] == ["prefill", "decode", "decode"]
     # one GPU each, round robin over the two
     assert [env["CUDA_VISIBLE_DEVICES"] for _, env in started] == ["0", "1", "0"]
+    # what an aggregated server beside the stack gets (bench.disagg --compare-aggregated)
+    assert launcher.without_flags(argv, launcher.LAUNCHER_FLAGS) == [
+        "--model", "tiny", "--port", "8000", "--max-num-seqs", "4"]
