@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench import profile
+from bench.timing import decode_step_seconds, run_sync
 from serving.async_engine import AsyncEngine
 from serving.engine import Engine, EngineConfig, SamplingParams
 from serving.engine.buckets import Buckets
@@ -57,13 +58,6 @@ def full_cache_copies(runner) -> dict:
     return out
 
 
-def run_sync(engine: Engine, prompts, max_tokens: int) -> float:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    t0 = time.perf_counter()
-    engine.generate(prompts, [params] * len(prompts))
-    return time.perf_counter() - t0
-
-
 def run_async(engine: Engine, prompts, max_tokens: int) -> float:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
@@ -81,13 +75,6 @@ def run_async(engine: Engine, prompts, max_tokens: int) -> float:
             front.shutdown()  # stops its thread; the engine stays usable for the next case
 
     return asyncio.run(main())
-
-
-def step_seconds(run, engine, prompts, steps: int, repeats: int = 3) -> float:
-    """Median over `repeats` of (time for 1 + steps tokens - time for 1 token) / steps."""
-    run(engine, prompts, 1 + steps)  # warm: first dispatch of each shape
-    return float(np.median([(run(engine, prompts, 1 + steps) - run(engine, prompts, 1)) / steps
-                            for _ in range(repeats)]))
 
 
 def main(argv=None) -> dict:
@@ -140,7 +127,7 @@ def main(argv=None) -> dict:
         for loop, run in (("engine", run_sync), ("async", run_async)):
             for n in a.seqs:
                 prompts = [rng.integers(3, 500, a.prompt_len).tolist() for _ in range(n)]
-                s = step_seconds(run, engine, prompts, a.steps)
+                s = decode_step_seconds(run, engine, prompts, a.steps)
                 rows.append({"cache": cache_kind, "loop": loop, "seqs": n, "step_ms": 1e3 * s})
                 print(f"cache {cache_kind:>10}  loop {loop:>6}  seqs {n:>4}  "
                       f"decode step {1e3 * s:8.2f} ms", flush=True)

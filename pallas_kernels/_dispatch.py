@@ -8,8 +8,17 @@ backend:
   "recurrent" -> token-by-token reference (prefill only; slow, for checking).
   "pallas"    -> the Pallas Triton kernel bodies compiled for the GPU.
   "interpret" -> the same Pallas kernel bodies in interpret mode (any platform).
+
+``default_backend`` names what "auto" stands for while a program is traced:
+``with default_backend("interpret"):`` makes every GDN, conv1d and attention op
+called with "auto" (the model's layers never pass a backend) run the Pallas
+bodies in interpret mode, which is how the CPU tests run a whole sharded model on
+the kernels.  It is a JAX user context, so a jitted function traced under another
+value retraces.  (The MoE grouped matmul chooses its backends on its own.)
 """
 from __future__ import annotations
+
+import jax
 
 from .tuning import gpu_arch, _family
 
@@ -25,8 +34,12 @@ BEST_GPU_BACKEND = {
 
 BACKENDS = ("auto", "reference", "recurrent", "pallas", "interpret")
 
+default_backend = jax.make_user_context("auto")
+
 
 def resolve(op: str, backend: str) -> str:
+    if backend == "auto":
+        backend = default_backend.value
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; one of {BACKENDS}")
     if backend != "auto":

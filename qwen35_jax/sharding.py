@@ -20,6 +20,11 @@ Programs are compiled with these shardings as in/out shardings and traced under
 expert-parallel dispatch) find the mesh with ``jax.sharding.get_abstract_mesh``
 while the model code itself stays mesh-agnostic: without a mesh, or on a mesh of
 one device, every layer runs its single-device path.
+
+The attention, GDN and conv kernels are Pallas custom calls on the GPU, which the
+SPMD partitioner cannot split: ``per_device`` runs each of them inside
+``shard_map``, every device on its own heads (``head_axis``) with the cache pools
+passed in and out in their own layout, so a kernel never gathers its operands.
 """
 
 from __future__ import annotations
@@ -151,12 +156,18 @@ def shard_model(model: nnx.Module, mesh) -> nnx.Module:
     return model
 
 
+def head_axis(mesh, heads: int) -> str | None:
+    """``tensor`` if ``heads`` divide by its size (each device then holds whole heads),
+    else None (replicated)."""
+    return _fit((TENSOR,), heads, mesh)[0] if TENSOR in mesh.shape else None
+
+
 def cache_specs(cfg: Qwen35Config, mesh):
     """PartitionSpecs of the HybridCache arrays: blocks and slots along ``data``, KV heads
     and GDN value heads along ``tensor`` when the head counts divide (else replicated);
     the conv state follows the replicated qkv projection."""
-    kv_heads, = _fit((TENSOR,), cfg.num_key_value_heads, mesh)
-    v_heads, = _fit((TENSOR,), cfg.linear_num_value_heads, mesh)
+    kv_heads = head_axis(mesh, cfg.num_key_value_heads)
+    v_heads = head_axis(mesh, cfg.linear_num_value_heads)
     return HybridCache(kv=P(DATA, None, None, None, kv_heads, None),
                        conv=P(DATA, None, None, None, None),
                        ssm=P(DATA, None, None, v_heads, None, None))
@@ -174,3 +185,22 @@ def mesh_of(array) -> Mesh | None:
     """The mesh an array is laid out on, or None for a single-device array."""
     s = getattr(array, "sharding", None)
     return s.mesh if isinstance(s, NamedSharding) and s.mesh.size > 1 else None
+
+
+def per_device(fn, in_specs, out_specs):
+    """``fn`` run by every device of the mesh the step is traced under, on its own
+    shards (``shard_map`` over all axes); ``fn`` itself without a mesh or on one device.
+
+    For the Pallas kernels: a custom call is opaque to the partitioner, which would
+    replicate it (gathering split heads and cache shards first).  Axes a spec leaves
+    out are replicated; in an engine (``data`` of size 1) that is the ``expert`` axis,
+    whose devices all run every token's attention.  A model traced on a mesh with a
+    ``data`` split hands its pools to the kernels whole along ``data``, since its block
+    tables and slots are global indices.  The kernels are device-local programs that
+    know nothing of mesh axes (their loop carries start invariant), hence no
+    ``check_vma``; what a spec leaves replicated is computed alike on every device."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return fn
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                         check_vma=False)

@@ -8,20 +8,26 @@ prints one JSON record per check and the tests here assert on them.
 Per mesh: the model's prefill (12 tokens per row, two rows) then one decode step
 continuing from the cache, jitted with the parameters and cache placed by
 ``qwen35_jax.sharding`` and traced under the mesh, against the same weights on one
-device.  The compiled program is also read: no all-gather may rebuild a split
-parameter or (without ``data``, whose paged gathers are global) a cache array.
+device.  The compiled program is also read (``bench.hlo``): no all-gather, all-to-all
+or collective-permute may rebuild a split parameter or (without ``data``, whose paged
+gathers are global) a cache array or a view of one.
 A checkpoint loaded onto a mesh holds the same values as on one device, in the
 table's layout.  The serving checks run greedy requests on engines
 (``LLM("tiny-moe", ...)``): aggregated on EP2xTP2, and disaggregated with the
 prefill on one mesh and the decode on another, the request's cache handed over by
 the planned descriptors; every run must give the single-device engine's tokens.
+
+The kernel path: the same forward checks with the Pallas kernel bodies in interpret
+mode (``pallas_kernels.default_backend``), where each kernel must run per device
+(inside ``shard_map``, as on the GPU, whose custom calls the partitioner cannot split),
+and a TP2 engine on those kernels must give the single-device engine's greedy tokens
+with its donated cache shards never moving.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 
@@ -31,6 +37,10 @@ MODEL_MESHES = {
     "tiny": ["dp2", "tp2", "dp2,tp2"],
     "tiny-moe": ["dp2", "ep2", "ep4", "tp2", "dp2,ep2", "ep2,tp2"],
 }
+# Heads split (the two-GPU TP2 run of issue 7), beside the expert split, and TP4, where
+# tiny-moe's 2 KV heads and 2 GDN key heads do not divide: every device runs all attention
+# heads, and each GDN value head gets its own copy of its key head.
+KERNEL_MESHES = ["tp2", "ep2,tp2", "tp4"]
 # Float32 reductions split over shards are summed in another order; over 8 layers and a
 # decode step that moves logits by a few float32 ulps of their largest magnitude.
 RTOL = 5e-5
@@ -65,6 +75,32 @@ def test_compiled_step_keeps_weights_and_cache_split(forward_records, name, mesh
     assert r["gathered_params"] == [], r
     if "dp" not in mesh:
         assert r["gathered_cache"] == [], r
+
+
+@pytest.fixture(scope="module")
+def kernel_records():
+    return _child("kernels", "tiny-moe", *KERNEL_MESHES)
+
+
+@pytest.mark.parametrize("mesh", KERNEL_MESHES)
+def test_kernels_run_per_device_and_equal_single_device(kernel_records, mesh):
+    r = kernel_records[mesh]
+    assert r["prefill_rel_err"] <= RTOL and r["decode_rel_err"] <= RTOL, r
+    assert r["same_argmax"], r
+    # prefill and decode: conv, GDN, attention (at least one call each)
+    assert r["kernels"] == r["kernels_per_device"] >= 6, r
+
+
+@pytest.mark.parametrize("mesh", KERNEL_MESHES)
+def test_compiled_kernel_step_keeps_weights_and_cache_split(kernel_records, mesh):
+    r = kernel_records[mesh]
+    assert r["gathered_params"] == [] and r["gathered_cache"] == [], r
+
+
+def test_engine_on_kernels_matches_single_device_in_place(kernel_records):
+    r = kernel_records["engine"]
+    assert r["sharded"] == r["single"], r
+    assert r["addresses_kept"], r
 
 
 @pytest.fixture(scope="module")
@@ -121,27 +157,32 @@ def test_checkpoint_loads_straight_into_the_mesh():
 
 # ---- the child process ----------------------------------------------------------------
 
-def _gathered(hlo: str, shapes: set[tuple[int, ...]]) -> list:
-    """Shapes among ``shapes`` that an all-gather of the compiled program produces."""
-    found = set()
-    for line in hlo.splitlines():
-        if " all-gather(" not in line and " all-gather-start(" not in line:
+def _kernel_calls(jaxpr, per_device=False) -> tuple[int, int]:
+    """(Pallas calls in ``jaxpr`` and its sub-jaxprs, those of them inside a shard_map)."""
+    total = inside = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            total, inside = total + 1, inside + per_device
             continue
-        result = line.split("=", 1)[1].split("all-gather", 1)[0]
-        for dims in re.findall(r"\[([\d,]*)\]", result):
-            shape = tuple(int(d) for d in dims.split(",") if d)
-            if shape in shapes:
-                found.add(shape)
-    return sorted(found)
+        for v in eqn.params.values():
+            for sub in v if isinstance(v, (tuple, list)) else (v,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    t, i = _kernel_calls(sub, per_device or eqn.primitive.name == "shard_map")
+                    total, inside = total + t, inside + i
+    return total, inside
 
 
-def _forward_child(name: str, meshes: list[str]) -> None:
+def _forward_child(name: str, meshes: list[str], backend: str = "auto") -> None:
+    """One record per mesh; ``backend`` is what the kernels' "auto" stands for."""
     import jax
     import jax.numpy as jnp
     import numpy as np
     from flax import nnx
 
     import qwen35_jax
+    from bench.hlo import RESHARDING, pool_views, produced_by
+    from pallas_kernels import default_backend
     from qwen35_jax import sharding as S
     from qwen35_jax.cache import HybridCache, SequenceCache
 
@@ -156,7 +197,9 @@ def _forward_child(name: str, meshes: list[str]) -> None:
     def fresh_cache():
         return SequenceCache.allocate(cfg, 2, 32)
 
-    ref = jax.jit(run)(qwen35_jax.init_random(cfg, seed=0, dtype=jnp.float32), ids, fresh_cache())
+    with default_backend(backend):
+        ref = jax.jit(run)(qwen35_jax.init_random(cfg, seed=0, dtype=jnp.float32), ids,
+                           fresh_cache())
     ref = [np.asarray(a) for a in ref]
     for spec in meshes:
         mesh = S.make_mesh(S.MeshShape.parse(spec))
@@ -165,8 +208,9 @@ def _forward_child(name: str, meshes: list[str]) -> None:
             cache=S.cache_shardings(cfg, mesh), lengths=S.replicated(mesh)))
         rows = jax.device_put(ids, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
             S.DATA)))
-        with jax.set_mesh(mesh):
+        with jax.set_mesh(mesh), default_backend(backend):
             compiled = jax.jit(run).lower(model, rows, cache).compile()
+            kernels = _kernel_calls(jax.make_jaxpr(run)(model, rows, cache).jaxpr)
         out = [np.asarray(a) for a in compiled(model, rows, cache)]
         rel = [float(np.abs(a - b).max() / np.abs(a).max()) for a, b in zip(ref, out)]
         # Split matrices, whole and per layer (split vectors are too small to tell from
@@ -176,15 +220,37 @@ def _forward_child(name: str, meshes: list[str]) -> None:
             lead = 2 if path[:2] == ("groups", "gdn") else 1 if path[0] == "groups" else 0
             if v[...].sharding.shard_shape(v.shape) != v.shape and len(v.shape) - lead >= 2:
                 split |= {tuple(v.shape), tuple(v.shape[lead:])}
-        cache_shapes = {tuple(s) for s in HybridCache.shapes(
-            cfg, cache.cache.num_blocks, cache.cache.block_size, cache.cache.num_slots).values()}
+        cache_shapes = pool_views(HybridCache.shapes(
+            cfg, cache.cache.num_blocks, cache.cache.block_size, cache.cache.num_slots))
         hlo = compiled.as_text()
         print(json.dumps(dict(
             key=spec, prefill_rel_err=rel[0], decode_rel_err=rel[1],
             same_argmax=bool((ref[0].argmax(-1) == out[0].argmax(-1)).all()
                              and (ref[1].argmax(-1) == out[1].argmax(-1)).all()),
-            split_params=len(split), gathered_params=_gathered(hlo, split),
-            gathered_cache=_gathered(hlo, cache_shapes))), flush=True)
+            split_params=len(split), gathered_params=produced_by(hlo, RESHARDING, split),
+            gathered_cache=produced_by(hlo, RESHARDING, cache_shapes), kernels=kernels[0],
+            kernels_per_device=kernels[1])), flush=True)
+
+
+def _kernels_child(name: str, meshes: list[str]) -> None:
+    """The forward records on the Pallas bodies (interpret mode); then greedy tokens of
+    a TP2 engine on them against the single-device engine's, and whether its donated
+    cache kept every shard's address."""
+    from pallas_kernels import default_backend
+    from serving import LLM, SamplingParams
+
+    _forward_child(name, meshes, backend="interpret")
+    greedy, tokens = SamplingParams(max_tokens=4, temperature=0), {}
+    with default_backend("interpret"):
+        for key, sizes in (("single", {}), ("sharded", {"tp": 2})):
+            llm = LLM(name, **sizes, **_engine_options())
+            tokens[key] = [o.token_ids for o in llm.generate(PROMPTS, greedy)]
+    try:
+        llm.engine.runner.check_addresses()
+        kept = True
+    except RuntimeError:
+        kept = False
+    print(json.dumps(dict(key="engine", **tokens, addresses_kept=kept)), flush=True)
 
 
 PROMPTS = [[5, 9, 13, 2, 7], [3, 3, 8, 21, 34, 55, 89, 144, 11, 6, 1, 2, 3, 4, 5, 6, 7, 8],
@@ -292,5 +358,6 @@ def _load_child() -> None:
 
 
 if __name__ == "__main__":
-    {"forward": lambda: _forward_child(sys.argv[2], sys.argv[3:]), "serving": _serving_child,
+    {"forward": lambda: _forward_child(sys.argv[2], sys.argv[3:]),
+     "kernels": lambda: _kernels_child(sys.argv[2], sys.argv[3:]), "serving": _serving_child,
      "load": _load_child}[sys.argv[1]]()

@@ -1,16 +1,23 @@
 """Gated full attention: per-head ``[q | gate]`` projection, (1+w) q/k norms,
-partial RoPE, GQA over the paged KV cache, ``sigmoid(gate)`` on the output."""
+partial RoPE, GQA over the paged KV cache, ``sigmoid(gate)`` on the output.
+
+On a mesh the attention kernel runs per device (``sharding.per_device``) on the KV
+heads of the device's cache shard and their query heads; where the KV heads do not
+divide over ``tensor`` (the cache is then replicated) every device runs all heads.
+"""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.attention import paged_attention, write_kv
 from qwen35_jax.layers.mlp import linear
 from qwen35_jax.layers.norms import RMSNorm
 from qwen35_jax.layers.rope import apply_partial_rope
+from qwen35_jax.sharding import head_axis, per_device
 
 
 class GatedAttention(nnx.Module):
@@ -36,8 +43,16 @@ class GatedAttention(nnx.Module):
         q = apply_partial_rope(self.q_norm(q), meta.positions, **rope)
         k = apply_partial_rope(self.k_norm(k), meta.positions, **rope)
         kv_cache = write_kv(kv_cache, layer, k, v, meta.kv_block_ids, meta.kv_offsets)
-        o = paged_attention(q, kv_cache, layer, meta.block_tables, meta.seq_ids, meta.positions,
-                            scale=self.head_dim ** -0.5, cu_seqlens=meta.cu_seqlens,
-                            is_decode=meta.is_decode)
+        split = head_axis(jax.sharding.get_abstract_mesh(), self.kv_heads)
+        heads = P(None, split, None)
+
+        def attend(q, kv, layer, block_tables, seq_ids, positions, cu_seqlens):
+            return paged_attention(q, kv, layer, block_tables, seq_ids, positions,
+                                   scale=self.head_dim ** -0.5, cu_seqlens=cu_seqlens,
+                                   is_decode=meta.is_decode)
+
+        o = per_device(attend, (heads, P(None, None, None, None, split, None)) + (P(),) * 5,
+                       heads)(q, kv_cache, layer, meta.block_tables, meta.seq_ids,
+                              meta.positions, meta.cu_seqlens)
         o = o.reshape(t, self.heads * self.head_dim) * jax.nn.sigmoid(gate.reshape(t, -1))
         return self.o_proj(o), kv_cache

@@ -6,6 +6,11 @@ L2-normalised q/k; ``beta = sigmoid(b)``; ``g = -exp(A_log)·softplus(a + dt_bia
 in float32; gated RMSNorm on the output.  The delta rule and the conv run
 through ``pallas_kernels`` (chunked for prompts, recurrent for single tokens),
 reading and writing each sequence's state in the slot pool.
+
+On a mesh the kernels run per device (``sharding.per_device``): the delta rule on
+the device's value heads (``tensor``, as the recurrent state pool is split), with
+the key heads they read; the conv on every channel, as its pool and the qkv
+projection are replicated.
 """
 
 from __future__ import annotations
@@ -13,10 +18,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from pallas_kernels import causal_conv1d_prefill, causal_conv1d_update, gdn_decode, gdn_prefill
 from qwen35_jax.layers.mlp import linear
 from qwen35_jax.layers.norms import GatedRMSNorm
+from qwen35_jax.sharding import head_axis, per_device
 
 
 class GatedDeltaNet(nnx.Module):
@@ -43,14 +50,18 @@ class GatedDeltaNet(nnx.Module):
         t = x.shape[0]
         mixed = self.in_proj_qkv(x)
         w = self.conv1d[...]
+        whole = (P(),) * 4
         if meta.is_decode:
             conv_flat, idx = _flat_pool(conv_pool, meta.slots, layer)
-            mixed, conv_flat = causal_conv1d_update(mixed, w, conv_flat, idx, activation="silu")
+            update = per_device(lambda x, w, pool, idx: causal_conv1d_update(
+                x, w, pool, idx, activation="silu"), whole, (P(), P()))
+            mixed, conv_flat = update(mixed, w, conv_flat, idx)
             conv_pool = conv_flat.reshape(conv_pool.shape)
         else:
             init = _gather_state(conv_pool, meta, layer)
-            mixed, final = causal_conv1d_prefill(mixed, w, cu_seqlens=meta.cu_seqlens,
-                                                 initial_state=init, activation="silu")
+            prefill = per_device(lambda x, w, cu, init: causal_conv1d_prefill(
+                x, w, cu_seqlens=cu, initial_state=init, activation="silu"), whole, (P(), P()))
+            mixed, final = prefill(mixed, w, meta.cu_seqlens, init)
             conv_pool = conv_pool.at[meta.slots, layer].set(final.astype(conv_pool.dtype), mode="drop")
         qk = self.hk * self.dk
         q = mixed[:, :qk].reshape(t, self.hk, self.dk)
@@ -60,19 +71,33 @@ class GatedDeltaNet(nnx.Module):
         beta = jax.nn.sigmoid(self.in_proj_b(x))
         a = self.in_proj_a(x).astype(jnp.float32)
         g = -jnp.exp(self.A_log[...]) * jax.nn.softplus(a + self.dt_bias[...])
+        mesh = jax.sharding.get_abstract_mesh()
+        split = head_axis(mesh, self.hv)
+        if split is not None and head_axis(mesh, self.hk) is None:
+            # value heads split where key heads cannot be: give each value head its own key
+            q, k = (jnp.repeat(y, self.hv // self.hk, axis=1) for y in (q, k))
+        heads, per_head, state = P(None, split, None), P(None, split), P(None, split, None, None)
+        specs = (heads, heads, heads, per_head, per_head, state, P())
         if meta.is_decode:
             ssm_flat, idx = _flat_pool(ssm_pool, meta.slots, layer)
-            o, ssm_flat = gdn_decode(q, k, v, g, beta, ssm_flat, idx, use_qk_l2norm=True)
+            decode = per_device(lambda *args: gdn_decode(*args, use_qk_l2norm=True), specs,
+                                (heads, state))
+            o, ssm_flat = decode(q, k, v, g, beta, ssm_flat, idx)
             ssm_pool = ssm_flat.reshape(ssm_pool.shape)
         else:
             init = _gather_state(ssm_pool, meta, layer).astype(jnp.float32)
-            o, final = gdn_prefill(q[None], k[None], v[None], g[None], beta[None],
-                                   initial_state=init, cu_seqlens=meta.cu_seqlens,
-                                   use_qk_l2norm=True)
-            o = o[0]
+            prefill = per_device(_gdn_prefill, specs, (heads, state))
+            o, final = prefill(q, k, v, g, beta, init, meta.cu_seqlens)
             ssm_pool = ssm_pool.at[meta.slots, layer].set(final.astype(ssm_pool.dtype), mode="drop")
         o = self.norm(o, z).reshape(t, self.hv * self.dv)
         return self.out_proj(o), conv_pool, ssm_pool
+
+
+def _gdn_prefill(q, k, v, g, beta, init, cu_seqlens):
+    """``gdn_prefill`` on one packed row: q, k, v [T, H, d]; g, beta [T, Hv]."""
+    o, final = gdn_prefill(q[None], k[None], v[None], g[None], beta[None], initial_state=init,
+                           cu_seqlens=cu_seqlens, use_qk_l2norm=True)
+    return o[0], final
 
 
 def _gather_state(pool, meta, layer):
