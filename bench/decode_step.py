@@ -3,10 +3,10 @@ makes a decode worker's step slower than the aggregated engine's?
 
     python -m bench.decode_step --preset 35B-A3B --seqs 16 64 --steps 64
 
-Measured on 2xH200 (bench/RESULTS.md, issue 8): the decode worker's steps took about
-85 ms at 16 and at 64 sequences, where the aggregated engine took 63 ms at 64. The
-worker differs from the aggregated server in two ways, and this benchmark times each
-alone, against the plain engine, with the same compiled programs:
+A decode worker differs from the aggregated server in two ways, and this benchmark
+times each alone, against the plain engine, with the same compiled programs (on an
+H200 neither cost anything measurable; the profile found the step's real costs:
+bench/RESULTS.md, issue 8, "Decode step: profile, then fix"):
 
 * ``cache``: the registered cache (``serving.kv_transfer.allocate_registered_cache``:
   on GPU cudaMalloc'd memory imported through DLPack) instead of XLA's own arrays;
@@ -15,7 +15,7 @@ alone, against the plain engine, with the same compiled programs:
 
 Each case runs ``seqs`` greedy requests of ``--prompt-len`` tokens twice, once for one
 token and once for ``1 + steps`` tokens (``ignore_eos``); a decode step costs the
-difference over ``steps`` (median of three such pairs), so prefill and start-up cancel. The caches are swapped under
+difference over ``steps`` (``bench.timing.decode_step_seconds``). The caches are swapped under
 the same engine (``Runner.swap_cache``: same shapes and dtypes, so no recompile).
 First it counts the copies of a whole cache array in the compiled programs (none on CPU).
 With ``--profile`` it also traces the plain engine on XLA's cache (``bench.profile``) and
