@@ -23,6 +23,9 @@ from tqdm.auto import tqdm
 MEMORY_GAUGES = ("vllm:kv_cache_bytes_in_use", "vllm:state_bytes_in_use")
 TRANSFER_COUNTERS = ("vllm:kv_transfers_total", "vllm:kv_transfer_seconds_total",
                      "vllm:kv_transfer_ack_seconds_total", "vllm:kv_transfer_bytes_total")
+# per role ("prefill", "decode", "aggregated"): scraped as "<name>{role}"
+DEVICE_COUNTERS = ("vllm:device_busy_seconds_total", "vllm:device_idle_seconds_total",
+                   "vllm:device_steps_total")
 
 
 def length_bounds(length: int, ratio: float, convention: str) -> tuple[int, int]:
@@ -102,13 +105,16 @@ async def one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int]
 
 
 async def scrape(client: httpx.AsyncClient, url: str) -> dict[str, float]:
-    """The server's Prometheus samples, summed over labels, by sample name."""
+    """The server's Prometheus samples by sample name, summed over labels other than
+    ``role`` (a sample with one is keyed ``name{role}``)."""
     r = await client.get(f"{url}/metrics", timeout=5.0)
     r.raise_for_status()
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(r.text):
         for sample in family.samples:
-            out[sample.name] = out.get(sample.name, 0.0) + sample.value
+            role = sample.labels.get("role")
+            key = f"{sample.name}{{{role}}}" if role else sample.name
+            out[key] = out.get(key, 0.0) + sample.value
     return out
 
 
@@ -145,7 +151,7 @@ async def run_level(url: str, model: str, data, concurrency: int, ignore_eos: bo
                     ) -> tuple[list[Result], float, dict]:
     """Request i is sent `sent_at[i]` seconds after the start (default: all at once), and
     waits there while `concurrency` are in flight; (results in data order, seconds, server
-    figures: peak memory in use and the transfer counters' increase)."""
+    figures: peak memory in use and the transfer and device counters' increase)."""
     sem = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0, connect=30.0),
                                  limits=httpx.Limits(max_connections=None)) as client:
@@ -168,6 +174,7 @@ async def run_level(url: str, model: str, data, concurrency: int, ignore_eos: bo
         server = await watcher
         await asyncio.sleep(1.5)  # the router's counters lag its workers' by one poll
         after = await scrape(client, url)
-    for k in TRANSFER_COUNTERS:
+    device = [k for k in after if k.split("{")[0] in DEVICE_COUNTERS]
+    for k in (*TRANSFER_COUNTERS, *device):
         server[k] = after.get(k, 0.0) - before.get(k, 0.0)
     return results, duration, server

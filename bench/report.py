@@ -16,6 +16,22 @@ def _stats(name: str, seconds: list[float]) -> dict:
             f"std_{name}_ms": float(xs.std()), f"p99_{name}_ms": float(np.percentile(xs, 99))}
 
 
+def device_figures(server: dict, duration: float) -> dict:
+    """Per role, from the device counters' increase over the level: the share of the
+    level's wall time its devices spent on steps (summed over the role's workers, so up
+    to their count) and the mean device time of a step. A role far below 100 % with
+    work queued is held back by its host."""
+    out = {}
+    for key, busy in server.items():
+        if key.startswith("vllm:device_busy_seconds_total{"):
+            role = key[key.index("{") + 1:-1]
+            steps = server.get(f"vllm:device_steps_total{{{role}}}", 0.0)
+            if steps:
+                out[role] = {"busy_share": busy / duration, "steps": steps,
+                             "step_ms": 1e3 * busy / steps}
+    return out
+
+
 def summarise(results: list[Result], duration: float, concurrency: int, num_gpus: int,
               server: dict) -> dict:
     """vLLM's `calculate_metrics` over the successful requests, plus throughput per GPU
@@ -32,6 +48,7 @@ def summarise(results: list[Result], duration: float, concurrency: int, num_gpus
                              / transfers if transfers else float("nan")),
         "mean_transfer_ack_ms": (1e3 * server.get("vllm:kv_transfer_ack_seconds_total", 0.0)
                                  / transfers if transfers else float("nan")),
+        "device": device_figures(server, duration),
         "mean_transfer_bytes": (server.get("vllm:kv_transfer_bytes_total", 0.0) / transfers
                                 if transfers else float("nan")),
         "max_concurrency": concurrency, "num_gpus": num_gpus, "duration": duration,
@@ -76,6 +93,9 @@ def table(s: dict) -> str:
         out += [line("Transfers (mean ms, of which to ack, MiB):",
                      f"{s['transfers']:.0f} ({s['mean_transfer_ms']:.1f}, "
                      f"{s['mean_transfer_ack_ms']:.1f}, {s['mean_transfer_bytes'] / 2**20:.1f})")]
+    for role, d in s["device"].items():
+        out += [line(f"{role.capitalize()} device busy (step ms):",
+                     f"{d['busy_share']:.0%} ({d['step_ms']:.1f})")]
     if "roofline_tokens_per_s_per_gpu" in s:
         out += [line("Roofline tok/s per GPU (share):",
                      f"{s['roofline_tokens_per_s_per_gpu']:.0f} ({s['roofline_share']:.0%})"),
@@ -96,7 +116,8 @@ def summary(rows: list[dict]) -> str:
     """One line per run: the sweep at a glance (Markdown)."""
     head = ("| mode | C | ok/all | duration s | req/s | out tok/s | total tok/s | tok/s/GPU "
             "| TTFT med/p99 ms | TPOT med/p99 ms | ITL med/p99 ms | peak KV+state GiB "
-            "| transfer ms/req (to ack) | roofline tok/s/GPU (share) | decode floor ms (of TPOT) |")
+            "| transfer ms/req (to ack) | device busy (step ms) | roofline tok/s/GPU (share) "
+            "| decode floor ms (of TPOT) |")
     out = [head, "|" + "---|" * (head.count("|") - 1)]
     for s in rows:
         out.append(
@@ -108,7 +129,9 @@ def summary(rows: list[dict]) -> str:
             f"{s['median_tpot_ms']:.1f} / {s['p99_tpot_ms']:.1f} | "
             f"{s['median_itl_ms']:.1f} / {s['p99_itl_ms']:.1f} | "
             f"{(s['peak_kv_bytes'] + s['peak_state_bytes']) / 2**30:.2f} | "
-            f"{s['mean_transfer_ms']:.1f} ({s['mean_transfer_ack_ms']:.1f}) | " + (
+            f"{s['mean_transfer_ms']:.1f} ({s['mean_transfer_ack_ms']:.1f}) | "
+            + (", ".join(f"{r} {d['busy_share']:.0%} ({d['step_ms']:.1f})"
+                         for r, d in s["device"].items()) or "-") + " | " + (
                 f"{s['roofline_tokens_per_s_per_gpu']:.0f} ({s['roofline_share']:.0%}) | "
                 f"{s['decode_step_floor_ms']:.1f} ({s['decode_floor_share']:.0%}) |"
                 if "roofline_share" in s else "- | - |"))

@@ -285,6 +285,7 @@ class AsyncEngine:
             "kv_bytes_in_use": m["kv_bytes_in_use"], "state_bytes_in_use": m["state_bytes_in_use"],
             "num_preemptions": m["num_preemptions"],
             "serving_compiles": m["serving_compiles"],
+            **{k: m[k] for k in ("device_busy_s", "device_idle_s", "device_steps") if k in m},
         }
 
 

@@ -201,6 +201,10 @@ class Router:
                 "transfer_bytes", "transfer_seconds", "transfer_ack_seconds",
                 "transfer_descriptors", "transfer_failures")
         total = {k: sum(s.get(k, 0) for s in self._stats.values()) for k in keys}
+        total["device"] = {
+            role: {k: sum(self._stats.get(u, {}).get(k, 0) for u in pool.urls)
+                   for k in ("device_busy_s", "device_idle_s", "device_steps")}
+            for role, pool in (("prefill", self.prefill), ("decode", self.decode))}
         total["kv_cache_usage"] = 1 - total["free_blocks"] / max(total["num_blocks"], 1)
         total["state_slot_usage"] = 1 - total["free_slots"] / max(total["num_slots"], 1)
         return total

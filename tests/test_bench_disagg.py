@@ -142,6 +142,12 @@ def test_transfers_and_roofline_are_reported(run):
             assert 0 < r["mean_transfer_ack_ms"] <= r["mean_transfer_ms"]
         else:
             assert r["transfers"] == 0 and math.isnan(r["mean_transfer_ms"])
+        # each role's devices worked part of the level (they also wait on the host and
+        # on arrivals), and every step took some device time
+        roles = {"disaggregated": {"prefill", "decode"}, "aggregated": {"aggregated"}}
+        assert set(r["device"]) == roles[r["mode"]], r["device"]
+        for d in r["device"].values():
+            assert 0 < d["busy_share"] and d["steps"] >= 1 and d["step_ms"] > 0, d
         # the floor is finite and positive, and each share is measured over floor (no
         # bound on the share itself: the ceilings are measured on a shared CPU)
         assert 0 < r["roofline_tokens_per_s_per_gpu"] < math.inf

@@ -1,5 +1,7 @@
 """Unit tests of the engine's host-side pieces: pools, fence, scheduler, buckets, sampler."""
 
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -197,3 +199,34 @@ def test_block_pool_hands_out_consecutive_runs_after_churn():
     assert pool.allocate(1) == [1]
     assert pool.allocate(4) == [9, 10, 11, 15]  # no run of 4: the lowest free blocks
     assert pool.num_free == 0
+
+
+def test_idle_timer_counts_device_busy_and_idle_time():
+    """Busy: from a step's dispatch (or the previous step's end) to its end; idle: from a
+    step's end to a late next dispatch. Only lower bounds: sleeps last at least as asked."""
+    from serving.engine.idle_timer import IdleTimer
+
+    class Step:  # a dispatched step that takes `s` seconds on the "device"
+        def __init__(self, s):
+            self.s = s
+
+        def block_until_ready(self):
+            time.sleep(self.s)
+
+    timer = IdleTimer()
+
+    def wait_for(steps):
+        while timer.counters()["device_steps"] < steps:
+            time.sleep(0.005)
+
+    timer.on_dispatch(0, time.perf_counter(), Step(0.05))
+    timer.on_dispatch(1, time.perf_counter(), Step(0.05))  # queued behind step 0: no gap
+    wait_for(2)
+    time.sleep(0.1)  # the host is late for step 2
+    timer.on_dispatch(2, time.perf_counter(), Step(0.05))
+    wait_for(3)
+    c = timer.counters()
+    assert c["device_steps"] == 3 and len(timer.timeline()) == 3
+    assert c["device_busy_s"] >= 0.15 and c["device_idle_s"] >= 0.1
+    assert c["busy_span_s"] == c["device_busy_s"] + c["device_idle_s"]
+    assert c["host_idle_share"] == c["device_idle_s"] / c["busy_span_s"]

@@ -139,3 +139,21 @@ class _BackendCollector:
                       s.get("transfer_descriptors", 0))
         yield counter("vllm:kv_transfer_failures", "Transfers that failed or timed out",
                       s.get("transfer_failures", 0))
+        yield from _device_counters(self.model_name, s)
+
+
+def _device_counters(model_name: str, s: dict):
+    """Device busy / idle seconds and steps per role (``serving.engine.idle_timer``):
+    busy over wall time is how much of it the device computed; the rest the host made
+    it wait (or there was nothing to run). A router reports each role's sums
+    (``s["device"]``), an aggregated server its own engine's."""
+    roles = s.get("device") or ({"aggregated": s} if "device_busy_s" in s else {})
+    for name, key, doc in (
+            ("vllm:device_busy_seconds", "device_busy_s", "Time the device spent on steps"),
+            ("vllm:device_idle_seconds", "device_idle_s",
+             "Time the device waited between steps (host late, or nothing to run)"),
+            ("vllm:device_steps", "device_steps", "Completed engine steps")):
+        c = CounterMetricFamily(name, doc, labels=["model_name", "role"])
+        for role, v in roles.items():
+            c.add_metric([model_name, role], v.get(key, 0))
+        yield c

@@ -72,7 +72,8 @@ def engine_kwargs(args) -> dict:
     small CPU defaults)."""
     on_cpu = jax.default_backend() == "cpu"
     kw = {"block_size": args.block_size, "max_logprobs": args.max_logprobs,
-          "memory_utilization": args.gpu_memory_utilization, "ep": args.ep, "tp": args.tp}
+          "memory_utilization": args.gpu_memory_utilization, "ep": args.ep, "tp": args.tp,
+          "track_device_idle": True}  # servers export device busy / idle time
     for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
         value = getattr(args, name)
         if value is None and on_cpu:

@@ -195,7 +195,7 @@ class Engine:
                  state_bytes_in_use=(self.slots.num_slots - self.slots.num_free)
                  * self._slot_bytes)
         if self.idle_timer:
-            m.update(self.idle_timer.summary())
+            m.update(self.idle_timer.counters())
         return m
 
     def close(self) -> None:
