@@ -3,8 +3,8 @@
 Grid (expert, column tile). A program finds its expert's rows from the group
 starts and walks them bm at a time, streaming the expert's [K, bn] weight column
 through bk-deep steps; an expert with no rows returns at once, so a step reads only
-the weights of the experts its tokens were routed to (at 64 decode sequences x top-8
-over 256 experts, about 87 % of them; at 16, about 40 %).
+the weights of the experts its tokens were routed to (under uniform routing, 1 - (1 - 8/256)^N
+of 256 experts at N decode sequences x top-8: about 87 % at 64, about 40 % at 16).
 
 The weights may be a stack of several layers' experts ([L * E, K, N]); the program
 reads ``w[group_offset + e]`` in place. That is the point of taking an offset: a

@@ -3,8 +3,9 @@
 All options are per-row arrays, so one compiled program serves any mix of
 greedy and sampled requests. The random draw, and inside it the sort needed by
 top-k/top-p, run under `lax.cond`: an all-greedy batch pays for an argmax only.
-So do the top-n logprobs: a top-k over the vocabulary cost 1.7 ms of a 23 ms decode
-step at 64 sequences on an H200 (bench/RESULTS.md, issue 8), paid only when a row asks.
+So do the top-n logprobs, a top-k over the vocabulary, paid only when a row asks (a
+radix sort of 1.7 ms, most likely this top-k, showed in every 35B-A3B decode step at 64
+sequences on an H200: bench/RESULTS.md, issue 8; not timed apart).
 
 Randomness: Gumbel-max with noise from a counter-based integer hash of
 (seed, token position, vocabulary index). The draw is a pure function of the
