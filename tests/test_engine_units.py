@@ -11,7 +11,7 @@ from serving.engine.block_pool import BlockPool
 from serving.engine.buckets import Buckets
 from serving.engine.fence import StepFence
 from serving.engine.request import Request, Status
-from serving.engine.sampler import SamplingArrays, sample
+from serving.engine.sampler import SAMPLER_MODES, SamplerMode, SamplingArrays, sample
 from serving.engine.sampling_params import SamplingParams
 from serving.engine.scheduler import Scheduler
 from serving.engine.state_pool import SlotPool
@@ -150,11 +150,11 @@ def test_buckets_cover_every_pick():
 
 
 def test_sampler_filters_and_seeds():
-    f = jax.jit(sample, static_argnums=2)
+    f = jax.jit(sample, static_argnums=(2, 3))
     logits = jnp.log(jnp.array([[0.2, 0.3, 0.5]] * 4096))
     s = SamplingArrays.host(4096)
     s.temperature[:], s.seed[:], s.position[:] = 1, 5, np.arange(4096)
-    freq = lambda: np.bincount(np.asarray(f(logits, s, 2).token), minlength=3) / 4096
+    freq = lambda: np.bincount(np.asarray(f(logits, s, 2, s.mode()).token), minlength=3) / 4096
     np.testing.assert_allclose(freq(), [0.2, 0.3, 0.5], atol=0.03)
     s.top_p[:] = 0.6
     np.testing.assert_allclose(freq(), [0, 0.375, 0.625], atol=0.03)
@@ -163,10 +163,41 @@ def test_sampler_filters_and_seeds():
     s.top_k[:], s.min_p[:] = 0, 0.5
     np.testing.assert_allclose(freq(), [0, 0.375, 0.625], atol=0.03)
     s.temperature[:], s.logprobs[:] = 0, True
-    r = f(logits, s, 2)
+    r = f(logits, s, 2, s.mode())
     assert (np.asarray(r.token) == 2).all()
     np.testing.assert_allclose(np.asarray(r.logprob), np.log(0.5), rtol=1e-5)
     np.testing.assert_array_equal(np.asarray(r.top_ids)[0], [2, 1])
+
+
+def test_sampler_mode_is_what_the_rows_need_and_changes_no_token():
+    """The host picks the cheapest compiled variant that serves every row; each row's
+    token (and, where asked, logprobs) is what the variant with everything on gives."""
+    rng = np.random.default_rng(3)
+    n, vocab = 64, 50
+    logits = jnp.asarray(rng.normal(size=(n, vocab)) * 3, jnp.float32)
+    f = jax.jit(sample, static_argnums=(2, 3))
+    full = SamplerMode(draw=True, filter=True, logprobs=True)
+    seen = set()
+    for trial in range(12):
+        s = SamplingArrays.host(n)
+        s.seed[:], s.position[:] = rng.integers(1 << 30, size=n), rng.integers(1000, size=n)
+        drawn = rng.random(n) < [0, 0.5, 1][trial % 3]
+        s.temperature[drawn] = rng.uniform(0.5, 1.5, drawn.sum())
+        if trial % 2:
+            s.top_k[rng.random(n) < 0.3] = 5
+            s.top_p[rng.random(n) < 0.3] = 0.7
+        s.logprobs[:] = rng.random(n) < (0.2 if trial % 4 < 2 else 0)
+        mode = s.mode()
+        seen.add(mode)
+        assert mode.draw == bool(drawn.any())
+        assert mode.filter == bool((drawn & ((s.top_k > 0) | (s.top_p < 1))).any())
+        assert mode.logprobs == bool(s.logprobs.any())
+        got, want = f(logits, s, 3, mode), f(logits, s, 3, full)
+        np.testing.assert_array_equal(np.asarray(got.token), np.asarray(want.token))
+        if mode.logprobs:
+            np.testing.assert_array_equal(np.asarray(got.top_ids), np.asarray(want.top_ids))
+            np.testing.assert_allclose(np.asarray(got.logprob), np.asarray(want.logprob))
+    assert seen <= set(SAMPLER_MODES) and len(seen) >= 4
 
 
 def test_capacity_split_from_memory_stats():

@@ -1,12 +1,15 @@
-"""Compiled step programs: model forward + sampling, over padded buckets.
+"""Compiled step programs over padded buckets: the model's forward pass, then sampling.
 
-One traced function serves both programs; the static `is_decode` flag selects
-the model's recurrent GDN path (decode) or its chunked path (prefill, which also
-carries mixed batches). Every (is_decode, T, N) bucket is lowered, compiled
-ahead of time (in parallel threads: XLA compiles release the GIL) and run once
-at start-up on an all-padding batch, which writes nothing. Steps call the
-compiled executables directly, so nothing can silently retrace; a shape
-outside the table is compiled on the spot and the compile guard reports it.
+A step is two programs, dispatched back to back without waiting: the forward pass
+(one traced function for both kinds; the static `is_decode` flag selects the model's
+recurrent GDN path (decode) or its chunked path (prefill, which also carries mixed
+batches)), then the sampler variant the batch needs (`sampler.SamplerMode`, picked on
+the host; why not a `lax.cond` inside one program: sampler.py). Every (is_decode, T, N)
+forward bucket and every sampler variant for each bucket's N are lowered, compiled
+ahead of time (in parallel threads: XLA compiles release the GIL) and run once at
+start-up on an all-padding batch, which writes nothing. Steps call the compiled
+executables directly, so nothing can silently retrace; a shape outside the table is
+compiled on the spot and the compile guard reports it.
 
 The cache pytree and a per-slot "last sampled token" buffer are donated, so
 they are updated in place and keep their device addresses (the transfer layer
@@ -38,7 +41,7 @@ from flax import nnx
 from qwen35_jax.sharding import mesh_of, replicated
 
 from serving.engine.buckets import Buckets
-from serving.engine.sampler import SampleResult, SamplingArrays, sample
+from serving.engine.sampler import SAMPLER_MODES, SampleResult, SamplingArrays, sample
 from serving.engine.scheduler import SchedulerOutput
 
 
@@ -57,17 +60,20 @@ class StepInputs:
     sampling: SamplingArrays
 
 
-def _step(graphdef, treedef, batch_type, num_top, leaves, cache, last_token, x: StepInputs,
-          is_decode: bool):
+def _forward(graphdef, treedef, batch_type, leaves, cache, last_token, x: StepInputs,
+             is_decode: bool):
     tokens = jnp.where(x.from_slot >= 0, last_token[jnp.maximum(x.from_slot, 0)], x.tokens)
     batch = batch_type(tokens=tokens, cu_seqlens=x.cu_seqlens, start_pos=x.start_pos,
                        slots=x.slots, block_tables=x.block_tables,
                        logits_indices=x.logits_indices, is_decode=is_decode)
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
     logits, cache = model.forward(batch, cache)
-    out = sample(logits, x.sampling, num_top)
-    last_token = last_token.at[x.sample_slot].set(out.token, mode="drop")
-    return cache, last_token, out
+    return cache, logits
+
+
+def _sample(num_top, logits, last_token, sampling: SamplingArrays, sample_slot, mode):
+    out = sample(logits, sampling, num_top, mode)
+    return last_token.at[sample_slot].set(out.token, mode="drop"), out
 
 
 class Runner:
@@ -78,18 +84,22 @@ class Runner:
         self.cache = cache
         self.mesh = mesh_of(jax.tree.leaves(cache)[0])
         rep = None if self.mesh is None else replicated(self.mesh)
-        shardings = {}
+        fwd_s, smp_s = {}, {}
         if self.mesh is not None:
             cache_s = jax.tree.map(lambda a: a.sharding, cache)
-            shardings = dict(in_shardings=([a.sharding for a in self._leaves], cache_s, rep, rep),
-                             out_shardings=(cache_s, rep, rep))
+            fwd_s = dict(in_shardings=([a.sharding for a in self._leaves], cache_s, rep, rep),
+                         out_shardings=(cache_s, rep))
+            smp_s = dict(in_shardings=(rep, rep, rep, rep), out_shardings=(rep, rep))
         self.last_token = jnp.zeros((num_slots,), jnp.int32, device=rep)
         self.num_slots = num_slots
         self.max_blocks_per_seq = max_blocks_per_seq
         self.buckets = buckets
-        self._fn = jax.jit(partial(_step, graphdef, treedef, batch_type, num_top_logprobs),
-                           static_argnums=4, donate_argnums=(1, 2), **shardings)
-        self._programs = {}  # (is_decode, T, N) -> compiled executable
+        self._fn = jax.jit(partial(_forward, graphdef, treedef, batch_type),
+                           static_argnums=4, donate_argnums=1, **fwd_s)
+        self._sample_fn = jax.jit(partial(_sample, num_top_logprobs), static_argnums=4,
+                                  donate_argnums=1, **smp_s)
+        self._programs = {}  # (is_decode, T, N) -> compiled forward pass
+        self._samplers = {}  # (N, SamplerMode) -> compiled sampler
         self._addresses = None
 
     # ---- start-up -------------------------------------------------------
@@ -99,11 +109,22 @@ class Runner:
         returns seconds."""
         t0 = time.perf_counter()
         shapes = self.buckets.all_shapes()
+        samplers = [(n, mode) for n in sorted({n for _, _, n in shapes}) for mode in SAMPLER_MODES]
         lowered = [self._lower(*shape) for shape in shapes]
+        logits = lowered[0].out_info[1]  # [N, vocab]: only N differs between buckets
+        lowered += [self._lower_sampler(mode, jax.ShapeDtypeStruct((n, logits.shape[1]),
+                                                                   logits.dtype))
+                    for n, mode in samplers]
         with ThreadPoolExecutor(compile_threads) as pool:
-            self._programs = dict(zip(shapes, pool.map(lambda lo: lo.compile(), lowered)))
+            programs = list(pool.map(lambda lo: lo.compile(), lowered))
+        self._programs = dict(zip(shapes, programs))
+        self._samplers = dict(zip(samplers, programs[len(shapes):]))
         for is_decode, t, n in shapes:
-            out = self.run(self._empty(t, n), is_decode)
+            x = self._empty(t, n)
+            self.cache, logits = self._programs[is_decode, t, n](
+                self._leaves, self.cache, self.last_token, x)
+            for mode in SAMPLER_MODES:
+                out = self._run_sampler(x, mode, logits)
         jax.block_until_ready(out)
         self._addresses = self.addresses()
         return time.perf_counter() - t0
@@ -112,6 +133,11 @@ class Runner:
         with jax.set_mesh(self.mesh) if self.mesh is not None else nullcontext():
             return self._fn.lower(self._leaves, self.cache, self.last_token, self._empty(t, n),
                                   is_decode)
+
+    def _lower_sampler(self, mode, logits: jax.ShapeDtypeStruct):
+        x = self._empty(1, logits.shape[0])
+        with jax.set_mesh(self.mesh) if self.mesh is not None else nullcontext():
+            return self._sample_fn.lower(logits, self.last_token, x.sampling, x.sample_slot, mode)
 
     def addresses(self) -> list[int]:
         arrays = jax.tree.leaves((self.cache, self.last_token))
@@ -175,10 +201,19 @@ class Runner:
         return x
 
     def run(self, x: StepInputs, is_decode: bool) -> SampleResult:
-        """Dispatch one step; returns device arrays without waiting."""
+        """Dispatch one step (forward pass, then sampler); returns device arrays without
+        waiting."""
         key = (is_decode, len(x.tokens), len(x.start_pos))
         if key not in self._programs:  # outside the buckets: the compile guard reports it
             self._programs[key] = self._lower(*key).compile()
-        self.cache, self.last_token, out = self._programs[key](
-            self._leaves, self.cache, self.last_token, x)
+        self.cache, logits = self._programs[key](self._leaves, self.cache, self.last_token, x)
+        return self._run_sampler(x, x.sampling.mode(), logits)
+
+    def _run_sampler(self, x: StepInputs, mode, logits) -> SampleResult:
+        key = (len(x.start_pos), mode)
+        if key not in self._samplers:
+            aval = jax.ShapeDtypeStruct(logits.shape, logits.dtype)
+            self._samplers[key] = self._lower_sampler(mode, aval).compile()
+        self.last_token, out = self._samplers[key](logits, self.last_token, x.sampling,
+                                                   x.sample_slot)
         return out

@@ -1,11 +1,14 @@
-"""On-device sampling, traced into the step programs.
+"""On-device sampling: a small program of its own, run after each step's forward pass.
 
-All options are per-row arrays, so one compiled program serves any mix of
-greedy and sampled requests. The random draw, and inside it the sort needed by
-top-k/top-p, run under `lax.cond`: an all-greedy batch pays for an argmax only.
-So do the top-n logprobs, a top-k over the vocabulary, paid only when a row asks (a
-radix sort of 1.7 ms, most likely this top-k, showed in every 35B-A3B decode step at 64
-sequences on an H200: bench/RESULTS.md, issue 8; not timed apart).
+All options are per-row arrays, so one program serves any mix of greedy and sampled
+requests; what the rows need at all (a random draw, the sort behind top-k/top-p, the
+top-n logprobs) is decided on the host from those arrays (`SamplingArrays.mode`) and
+picks one of a few compiled variants (`SAMPLER_MODES`), so an all-greedy batch pays
+for an argmax only. Not `lax.cond`: XLA's GPU runtime copies a cond's predicate to the
+host and waits for it, so a cond after the forward pass held the host in the dispatch
+call until the forward had run, and the next step's launch no longer overlapped the
+device (35B-A3B, 128 sequences, one H200: dispatch 26.7 of a 28.8 ms step with the
+conds, 5.9 of 24.7 ms without; bench/RESULTS.md, issue 8).
 
 Randomness: Gumbel-max with noise from a counter-based integer hash of
 (seed, token position, vocabulary index). The draw is a pure function of the
@@ -16,6 +19,7 @@ logit: cheaper to run and much cheaper to compile than threefry keys.
 """
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +35,14 @@ class SamplingArrays:
     min_p: jax.Array  # f32 [N]; 0 = off
     seed: jax.Array  # u32 [N]
     position: jax.Array  # i32 [N]; position of the token being sampled
-    logprobs: jax.Array  # bool [N]; the row wants its top-n logprobs
+    logprobs: jax.Array  # bool [N]; the row wants logprobs (read on the host: `mode`)
+
+    def mode(self) -> "SamplerMode":
+        """Which sampler variant these (host) rows need."""
+        drawn = self.temperature > 0
+        return SamplerMode(draw=bool(drawn.any()),
+                           filter=bool((drawn & ((self.top_k > 0) | (self.top_p < 1))).any()),
+                           logprobs=bool(self.logprobs.any()))
 
     @staticmethod
     def host(n: int) -> "SamplingArrays":
@@ -42,12 +53,25 @@ class SamplingArrays:
                               np.zeros(n, bool))
 
 
+class SamplerMode(NamedTuple):
+    """A compiled sampler variant: what at least one row of the batch needs."""
+    draw: bool  # a random draw (temperature > 0)
+    filter: bool  # top-k / top-p among the drawn rows (a sort over the vocabulary)
+    logprobs: bool  # the sampled token's logprob and the top-n
+
+
+SAMPLER_MODES = tuple(SamplerMode(d, f, lp) for d, f in ((False, False), (True, False),
+                                                         (True, True))
+                      for lp in (False, True))
+
+
 @dataclass
 class SampleResult:
     token: jax.Array  # i32 [N]
     logprob: jax.Array  # f32 [N], of the chosen token under the raw model distribution
     top_ids: jax.Array  # i32 [N, num_top]
     top_logprobs: jax.Array  # f32 [N, num_top]
+    # (the last three are zeros unless the mode asked for logprobs)
 
 
 jax.tree_util.register_dataclass(SampleResult)
@@ -85,27 +109,28 @@ def _gumbel(seed, position, vocab: int):
     return -jnp.log(-jnp.log(u))
 
 
-def _draw(logits, s: SamplingArrays):
-    """Temperature, top-k/top-p (sorting only if some row asks), min-p, then a
-    Gumbel-max draw. Skipped entirely for all-greedy batches."""
+def _draw(logits, s: SamplingArrays, filter_: bool):
+    """Temperature, top-k/top-p (only if `filter_`), min-p, then a Gumbel-max draw."""
     x = logits / jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None]
-    needs_sort = jnp.any((s.top_k > 0) | (s.top_p < 1))
-    x = jax.lax.cond(needs_sort, _filter_top_k_top_p, lambda x, k, p: x, x, s.top_k, s.top_p)
+    if filter_:
+        x = _filter_top_k_top_p(x, s.top_k, s.top_p)
     prob = jax.nn.softmax(x, axis=-1)
     x = jnp.where(prob >= s.min_p[:, None] * prob.max(axis=-1, keepdims=True), x, -jnp.inf)
     return jnp.argmax(x + _gumbel(s.seed, s.position, x.shape[-1]), axis=-1).astype(jnp.int32)
 
 
-def sample(logits: jax.Array, s: SamplingArrays, num_top: int) -> SampleResult:
+def sample(logits: jax.Array, s: SamplingArrays, num_top: int, mode: SamplerMode) -> SampleResult:
+    """Tokens for every row (greedy where temperature is 0), under the static `mode`."""
     logits = logits.astype(jnp.float32)
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    sampled = s.temperature > 0
-    token = jax.lax.cond(jnp.any(sampled), _draw, lambda x, s: greedy, logits, s)
-    token = jnp.where(sampled, token, greedy)
-    chosen = jnp.take_along_axis(logprobs, token[:, None], axis=-1)[:, 0]
     n = logits.shape[0]
-    none = lambda lp: (jnp.zeros((n, num_top), jnp.float32), jnp.zeros((n, num_top), jnp.int32))
-    top_lp, top_ids = (jax.lax.cond(jnp.any(s.logprobs), lambda lp: tuple(jax.lax.top_k(lp, num_top)),
-                                    none, logprobs) if num_top > 0 else none(logprobs))
+    token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if mode.draw:
+        token = jnp.where(s.temperature > 0, _draw(logits, s, mode.filter), token)
+    if not mode.logprobs:
+        zeros = jnp.zeros((n, num_top), jnp.float32)
+        return SampleResult(token, jnp.zeros((n,), jnp.float32), zeros.astype(jnp.int32), zeros)
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    chosen = jnp.take_along_axis(logprobs, token[:, None], axis=-1)[:, 0]
+    top_lp, top_ids = jax.lax.top_k(logprobs, num_top) if num_top > 0 else (
+        jnp.zeros((n, 0), jnp.float32), jnp.zeros((n, 0), jnp.int32))
     return SampleResult(token, chosen, top_ids.astype(jnp.int32), top_lp)
