@@ -42,7 +42,8 @@ import numpy as np
 
 from qwen35_jax.cache import HybridCache
 from qwen35_jax.config import Qwen35Config
-from transfer import Region, TransferParamsError, allocate
+from transfer import Region, TransferParamsError
+from transfer.memory import allocate_sharded, device_shards, host_regions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,50 +203,61 @@ def _is_int(v, least: int) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= least
 
 
-def shard_regions(cache: HybridCache) -> tuple[list[Region], CacheLayout]:
-    """Regions of a (possibly sharded) XLA-allocated host cache, one per device shard, and
-    its layout.  DRAM only: on GPU, XLA's memory is not IPC-capable (``transfer.memory``)
-    and registered shards must be allocated per device through DLPack instead."""
-    if {d.platform for d in cache.kv.devices()} != {"cpu"}:
-        raise ValueError("shard_regions registers host (CPU) shards only; on GPU each device's "
-                         "shard must be allocated through DLPack, which is not done yet")
-    regions, parts, per = [], {}, {}
-    for name in ("kv", "conv", "ssm"):
-        array = getattr(cache, name)
-        shards = sorted(array.addressable_shards, key=lambda s: s.device.id)
-        by_index: dict = {}
-        for d, shard in enumerate(shards):
-            region = name if len(shards) == 1 else f"{name}@{d}"
-            nbytes = shard.data.nbytes
-            regions.append(Region(region, shard.data.unsafe_buffer_pointer(), nbytes, 0, "DRAM",
-                                  owner=array))
-            key = tuple((sl.start or 0) for sl in shard.index)
-            by_index.setdefault(key, []).append(region)
-            per[name] = nbytes // shard.data.shape[0]
-        parts[name] = tuple(tuple(v) for _, v in sorted(by_index.items()))
-    g, two, bs = cache.kv.shape[1:4]
-    layout = CacheLayout(per["kv"], per["conv"], per["ssm"], cache.block_size,
-                         kv_rows=g * two * bs, ssm_rows=math.prod(cache.ssm.shape[1:3]),
-                         kv_parts=parts["kv"], conv_parts=parts["conv"], ssm_parts=parts["ssm"])
-    return regions, layout
+_ARRAYS = ("kv", "conv", "ssm")  # the cache arrays, in region order
 
 
 def allocate_registered_cache(cfg: Qwen35Config, *, num_blocks: int, block_size: int,
                               num_slots: int, dtype, ssm_dtype=jnp.float32,
-                              device: jax.Device | None = None
+                              device: jax.Device | None = None, mesh=None
                               ) -> tuple[HybridCache, list[Region], CacheLayout]:
-    """The hybrid cache in memory NIXL can register (see ``transfer.memory``)."""
+    """The hybrid cache in memory NIXL can register (``transfer.memory``), its regions and
+    its layout: on ``device`` (default the first), or on ``mesh`` laid out by
+    ``qwen35_jax.sharding.cache_shardings`` with one region per device shard."""
+    from qwen35_jax.sharding import cache_shardings
+
+    if mesh is not None and device is not None:
+        raise ValueError("give a device or a mesh, not both")
     shapes = HybridCache.shapes(cfg, num_blocks, block_size, num_slots)
     dtypes = {"kv": dtype, "conv": dtype, "ssm": ssm_dtype}
-    arrays, regions = {}, []
-    for name in ("kv", "conv", "ssm"):
-        arrays[name], region = allocate(name, shapes[name], dtypes[name], device)
-        regions.append(region)
-    per = {n: math.prod(shapes[n][1:]) * np.dtype(dtypes[n]).itemsize for n in shapes}
-    layout = CacheLayout(per["kv"], per["conv"], per["ssm"], block_size,
-                         kv_rows=math.prod(shapes["kv"][1:4]),
-                         ssm_rows=math.prod(shapes["ssm"][1:3]))
-    return HybridCache(**arrays), regions, layout
+    if mesh is None:
+        one = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
+        shardings = HybridCache(kv=one, conv=one, ssm=one)
+    else:
+        shardings = cache_shardings(cfg, mesh)
+    arrays, regions = {}, {}
+    for name in _ARRAYS:
+        arrays[name], regions[name] = allocate_sharded(name, shapes[name], dtypes[name],
+                                                       getattr(shardings, name))
+    cache = HybridCache(**arrays)
+    return cache, [r for name in _ARRAYS for r in regions[name]], _layout(cache, regions)
+
+
+def shard_regions(cache: HybridCache) -> tuple[list[Region], CacheLayout]:
+    """Regions and layout of a (possibly sharded) cache that XLA allocated in host memory,
+    one region per device shard (an aggregated engine's cache, to hand over in a test).
+    DRAM only: XLA's device memory is not IPC-capable (``transfer.memory``); a worker's
+    cache comes from ``allocate_registered_cache``."""
+    regions = {name: host_regions(name, getattr(cache, name)) for name in _ARRAYS}
+    return [r for name in _ARRAYS for r in regions[name]], _layout(cache, regions)
+
+
+
+def _layout(cache: HybridCache, regions: dict[str, list[Region]]) -> CacheLayout:
+    """The layout of ``cache`` whose arrays' shards, in device-id order, occupy
+    ``regions[name]``: per array the bytes of one block or slot in one shard, and its head
+    parts (shards of equal index), each the tuple of regions holding a copy."""
+    parts, per = {}, {}
+    for name in _ARRAYS:
+        by_index: dict = {}
+        for shard, region in zip(device_shards(getattr(cache, name)), regions[name], strict=True):
+            region.check(shard.data)
+            by_index.setdefault(tuple(sl.start or 0 for sl in shard.index), []).append(region.name)
+            per[name] = region.nbytes // shard.data.shape[0]
+        parts[name] = tuple(tuple(v) for _, v in sorted(by_index.items()))
+    g, two, bs = cache.kv.shape[1:4]
+    return CacheLayout(per["kv"], per["conv"], per["ssm"], cache.block_size,
+                       kv_rows=g * two * bs, ssm_rows=math.prod(cache.ssm.shape[1:3]),
+                       kv_parts=parts["kv"], conv_parts=parts["conv"], ssm_parts=parts["ssm"])
 
 
 def compat_record(cfg: Qwen35Config, cache: HybridCache, model_name: str) -> dict:

@@ -19,13 +19,14 @@ transfer ends the request with an error, or recomputes the prompt locally with
 request.
 
 With ``--ep``/``--tp`` the engine runs on a mesh and its cache is one registered
-region per device shard (``kv_transfer.shard_regions``); prefill and decode
+region per device shard (``kv_transfer.allocate_registered_cache``); prefill and decode
 workers may be split differently (prefill TP2, decode EP2, say): the prefill side
 sends its cache layout and the request's blocks and slot with the lease
 (``kv_transfer.source_record``), and the decode side reads the parts of rows its
 own split needs (``kv_transfer.pull_items``), checked to lie inside the pinned
-bytes.  Sharded workers run on CPU (DRAM) only: on GPU every device's shard would
-have to be allocated through DLPack (``transfer.memory``), which is not done yet.
+bytes.  On GPU every device's shard is cudaMalloc'd memory imported through DLPack
+(``transfer.memory.allocate_sharded``), which cuda_ipc reaches; on CPU it is XLA's
+own host memory.
 
 Threads: the engine thread owns the engine and the transfer manager: it pins,
 pulls (``AsyncEngine.call`` and submits) and, in its tick between steps, collects
@@ -56,9 +57,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from serving.async_engine import AsyncEngine, EngineDead, EngineOverloaded
 from serving.engine import Engine, EngineConfig, SamplingParams
-from serving.engine.capacity import allocate_cache, plan_capacity
+from serving.engine.capacity import plan_capacity
 from serving.kv_transfer import (allocate_registered_cache, compat_record, pull_items,
-                                 shard_regions, source_record)
+                                 source_record)
 from serving.llm import load_model, model_config
 from transfer import (Agent, Faults, ProgressThread, TransferManager, TransferParamsError,
                       free_bytes, size_xla_pool)
@@ -83,15 +84,15 @@ class Worker:
         self.transfer_timeout, self.recompute = transfer_timeout, recompute_on_failure
         cfg, mesh = model.config, config.mesh()
         self.sharded = mesh is not None
+        # The budget is one device's (plan_capacity sizes a device's shard of a block or
+        # slot): the least any of the engine's devices has free beside XLA's pool.
+        free = [free_bytes(d) for d in (mesh.devices.flat if self.sharded else jax.devices()[:1])]
         self.capacity = plan_capacity(cfg, config, dtype, mesh=mesh,
-                                      budget_bytes=free_bytes(jax.devices()[0]))
-        if mesh is None:
-            cache, regions, self.layout = allocate_registered_cache(
-                cfg, num_blocks=config.num_blocks, block_size=config.block_size,
-                num_slots=config.num_slots, dtype=dtype, ssm_dtype=jnp.dtype(config.ssm_dtype))
-        else:  # host memory: XLA's own shards are registrable (transfer/memory.py)
-            cache = allocate_cache(cfg, config, dtype, mesh)
-            regions, self.layout = shard_regions(cache)
+                                      budget_bytes=None if None in free else min(free))
+        cache, regions, self.layout = allocate_registered_cache(
+            cfg, num_blocks=config.num_blocks, block_size=config.block_size,
+            num_slots=config.num_slots, dtype=dtype, ssm_dtype=jnp.dtype(config.ssm_dtype),
+            mesh=mesh)
         self.compat = compat_record(cfg, cache, model_name)
         self.regions = {r.name: r for r in regions}
         engine = Engine(model, cache, config, batch_type=_batch_type())
@@ -281,14 +282,24 @@ class Worker:
         self.transfer.close()
 
 
-def _param_bytes(model: str, dtype: str) -> int:
-    """Bytes of the model's weights, from its shapes (nothing is allocated)."""
+def _param_bytes(model: str, dtype: str, ep: int = 1, tp: int = 1) -> int:
+    """Bytes of the model's weights that one device of the engine's ``(1, ep, tp)`` mesh
+    holds, from the shapes and ``qwen35_jax.sharding``'s table (nothing is allocated and
+    no device is asked: JAX's GPU client must not start before ``size_xla_pool``)."""
     from flax import nnx
 
     import qwen35_jax
+    from qwen35_jax.sharding import AXES, axis_size, param_spec
 
-    state = nnx.state(qwen35_jax.abstract_model(model_config(model), jnp.dtype(dtype)))
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+    cfg = model_config(model)
+    mesh = jax.sharding.AbstractMesh((1, ep, tp), AXES)
+    total = 0
+    for path, x in nnx.to_flat_state(nnx.state(qwen35_jax.abstract_model(cfg, jnp.dtype(dtype)))):
+        spec = param_spec(cfg, ".".join(map(str, path)), len(x.shape), mesh)
+        axes = [a for entry in spec if entry
+                for a in ((entry,) if isinstance(entry, str) else entry)]
+        total += x.size * x.dtype.itemsize // axis_size(mesh, axes)
+    return total
 
 
 def _batch_type():
@@ -411,16 +422,13 @@ def main(argv=None):
                         format=f"%(asctime)s {a.role} %(levelname)s %(name)s: %(message)s")
     name = a.model or a.model_tag
     # The cache regions live beside XLA's pool (transfer/memory.py): size the pool before
-    # JAX starts its GPU client below.
-    total = size_xla_pool(_param_bytes(name, a.dtype or "bfloat16"), a.gpu_memory_utilization)
+    # JAX starts its GPU client below, for the weights one device of the mesh holds.
+    total = size_xla_pool(_param_bytes(name, a.dtype or "bfloat16", a.ep, a.tp),
+                          a.gpu_memory_utilization)
     if total:
         log.info("XLA pool: %s of %.1f GiB", os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"],
                  total / 2**30)
     on_cpu = jax.default_backend() == "cpu"
-    if a.ep * a.tp > 1 and not on_cpu:
-        p.error("--ep/--tp > 1 run on CPU (DRAM) only: on GPU each device's cache shard must "
-                "be allocated and registered through DLPack, which workers do not do yet; a "
-                "sharded engine runs aggregated there: python -m serving.api --ep/--tp")
     dtype = jnp.dtype(a.dtype) if a.dtype else (jnp.float32 if on_cpu else jnp.bfloat16)
     config = EngineConfig(seed=a.seed, **engine_kwargs(a))
     model = load_model(name, dtype, a.seed, config.mesh())

@@ -8,17 +8,23 @@ the parts of rows its own split needs (``serving.kv_transfer.pull_items``).  Eve
 greedy request must give the single-device aggregated engine's tokens (same preset
 and seed), the pools must return to full, and a source record that claims blocks the
 lease did not pin must be refused before anything is read.
+
+Without workers, in a child process with 8 host devices (this file as a script): the
+worker's registered cache on a mesh has the engine's shardings and layout, and the XLA
+pool a worker caps on GPU counts the weights one device of its mesh holds.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
 
 import httpx
 import pytest
+from host_devices import child_records
 from test_disagg import Stack, _free_port, pools_full, prompts, run_all
 
 from serving.engine import SamplingParams
@@ -109,3 +115,68 @@ def test_source_record_reaching_past_the_lease_is_refused(stack):
     r = httpx.post(f"{d}/decode", json={**body, "transfer": transfer}, timeout=60)
     assert r.status_code == 200 and '"error"' not in r.text, r.text  # the lease still serves
     assert pools_full(stack, [p, d]) is True
+
+
+# ---- the registered cache on a mesh (8 host devices, in a child process) ---------------
+
+CACHE_MESHES = {"tp2": (1, 2), "ep2": (2, 1), "ep2,tp2": (2, 2)}  # (ep, tp)
+
+
+@pytest.fixture(scope="module")
+def cache_records():
+    return child_records(__file__)
+
+
+@pytest.mark.parametrize("mesh", list(CACHE_MESHES))
+def test_registered_cache_on_a_mesh_is_the_engines_layout(cache_records, mesh):
+    """``allocate_registered_cache(mesh=...)``, the worker's one call, lays the cache out as
+    the engine's own (``allocate_cache``) and registers it as ``shard_regions`` would."""
+    r = cache_records[mesh]
+    assert r["same_shardings"] and r["same_layout"], r
+    ep, tp = CACHE_MESHES[mesh]
+    assert r["regions"] == 3 * ep * tp and r["kv_parts"] == tp  # tiny-moe's 2 KV heads split
+
+
+@pytest.mark.parametrize("mesh", list(CACHE_MESHES))
+def test_pool_is_sized_for_one_devices_weights(cache_records, mesh):
+    """The XLA pool cap (``size_xla_pool``) counts the weights one device of the mesh holds."""
+    r = cache_records[mesh]
+    assert r["param_bytes"] == r["device_param_bytes"] < r["single_param_bytes"], r
+
+
+def _cache_child() -> None:
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from serving.engine import EngineConfig
+    from serving.engine.capacity import allocate_cache
+    from serving.kv_transfer import allocate_registered_cache, shard_regions
+    from serving.llm import load_model, model_config
+    from serving.worker import _param_bytes
+
+    cfg = model_config("tiny-moe")
+    for key, (ep, tp) in CACHE_MESHES.items():
+        config = EngineConfig(num_blocks=8, block_size=16, max_num_seqs=4, ep=ep, tp=tp)
+        mesh = config.mesh()
+        cache, regions, layout = allocate_registered_cache(
+            cfg, num_blocks=8, block_size=16, num_slots=4, dtype=jnp.float32, mesh=mesh)
+        xla = allocate_cache(cfg, config, jnp.float32, mesh)
+        _, xla_layout = shard_regions(xla)
+        model = load_model("tiny-moe", jnp.float32, 0, mesh)
+        held = {d: 0 for d in mesh.devices.flat}
+        for leaf in jax.tree.leaves(nnx.state(model)):
+            for shard in leaf.addressable_shards:
+                held[shard.device] += shard.data.nbytes
+        print(json.dumps(dict(
+            key=key, regions=len(regions), kv_parts=len(layout.kv_parts),
+            same_shardings=all(getattr(cache, k).sharding == getattr(xla, k).sharding
+                               for k in ("kv", "conv", "ssm")),
+            same_layout=layout == xla_layout,
+            param_bytes=_param_bytes("tiny-moe", "float32", ep, tp),
+            device_param_bytes=max(held.values()),
+            single_param_bytes=_param_bytes("tiny-moe", "float32"))), flush=True)
+
+
+if __name__ == "__main__":
+    _cache_child()

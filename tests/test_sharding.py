@@ -27,11 +27,10 @@ with its donated cache shards never moving.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 
 import pytest
+from host_devices import child_records
 
 MODEL_MESHES = {
     "tiny": ["dp2", "tp2", "dp2,tp2"],
@@ -47,13 +46,7 @@ RTOL = 5e-5
 
 
 def _child(*args) -> dict:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu", PYTHONPATH=root)
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), *args], env=env, cwd=root,
-                          capture_output=True, text=True, timeout=1800)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return {r["key"]: r for r in map(json.loads, proc.stdout.splitlines())}
+    return child_records(__file__, *args, timeout=1800)
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,9 @@ jax 0.11.2 on H200, see ``../shared/reference/anchors.md``):
   2xH200 (jax 0.11.2, torch 2.11): such a region is legacy-IPC capable while an XLA array
   is not, UCX picks ``cuda_ipc`` zero-copy for the READ, and donated updates kept every
   region at its address in both processes. The producer's tensor is kept alive in
-  ``Region.owner`` because JAX does not own the memory.
+  ``Region.owner`` because JAX does not own the memory. An array sharded over several
+  GPUs (``allocate_sharded``) is one such buffer per device, of the shard's shape,
+  assembled with ``jax.make_array_from_single_device_arrays``: one region per device.
 
 Either way the caller must (0) keep the live array (the latest donated output) referenced
 while the region is registered: on CPU it is what owns the memory; (1) donate the region's
@@ -90,27 +92,74 @@ class Region:
 
 def allocate(name: str, shape: tuple[int, ...], dtype, device: jax.Device | None = None
              ) -> tuple[jax.Array, Region]:
-    """A zeroed JAX array of ``shape``/``dtype`` on ``device`` plus the region it occupies.
+    """A zeroed JAX array of ``shape``/``dtype`` on ``device`` plus the region it occupies
+    (``allocate_sharded`` on one device)."""
+    sharding = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
+    array, (region,) = allocate_sharded(name, shape, dtype, sharding)
+    return array, region
 
-    CPU: an XLA-allocated array. GPU: cudaMalloc'd memory imported through DLPack.
-    """
-    device = device or jax.devices()[0]
-    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+
+def allocate_sharded(name: str, shape: tuple[int, ...], dtype, sharding: jax.sharding.Sharding
+                     ) -> tuple[jax.Array, list[Region]]:
+    """A zeroed JAX array of global ``shape``/``dtype`` laid out by ``sharding``, plus one
+    region per addressable device shard, in device-id order, named ``name`` when there is
+    one shard and ``name@<i>`` (i-th in that order) otherwise.  A shard that several devices
+    hold (replicated along a mesh axis) is a region on each of them.
+
+    CPU: an XLA-allocated array created in that layout; its shards are ordinary DRAM.
+    GPU: per device, cudaMalloc'd memory of the shard's shape imported through DLPack
+    (as ``allocate``), assembled into the global array without a copy (checked)."""
+    shape = tuple(shape)
+    devices = sorted(sharding.addressable_devices, key=lambda d: d.id)
+    shard_shape = sharding.shard_shape(shape)
+    nbytes = math.prod(shard_shape) * np.dtype(dtype).itemsize
     if nbytes == 0:
-        raise ValueError(f"region {name!r}: empty shape {shape}")
-    if device.platform == "cpu":
-        array = jax.block_until_ready(jnp.zeros(shape, dtype, device=device))
-        return array, Region(name, array.unsafe_buffer_pointer(), nbytes, 0, "DRAM", owner=array)
-    if device.platform == "gpu":
-        return _allocate_cuda(name, shape, dtype, device, nbytes)
-    raise NotImplementedError(f"no region allocator for platform {device.platform!r}")
+        raise ValueError(f"region {name!r}: empty shard {shard_shape} of {shape}")
+    platforms = {d.platform for d in devices}
+    if platforms == {"cpu"}:
+        array = jax.block_until_ready(jnp.zeros(shape, dtype, device=sharding))
+        return array, host_regions(name, array)
+    if platforms == {"gpu"}:
+        pieces = [_allocate_cuda(n, shard_shape, dtype, d, nbytes)
+                  for n, d in zip(_region_names(name, len(devices)), devices)]
+        array = jax.make_array_from_single_device_arrays(shape, sharding, [a for a, _ in pieces])
+        regions = [r for _, r in pieces]
+        for region, shard in zip(regions, device_shards(array)):
+            ptr = shard.data.unsafe_buffer_pointer()
+            if ptr != region.addr or shard.device.local_hardware_id != region.device_id:
+                raise RuntimeError(
+                    f"region {region.name!r}: assembling the sharded array moved the shard from "
+                    f"{region.addr:#x} on GPU {region.device_id} to {ptr:#x} on "
+                    f"{shard.device}; its registered memory would never be written")
+        return array, regions
+    raise NotImplementedError(f"no region allocator for platforms {sorted(platforms)}")
+
+
+def device_shards(array: jax.Array) -> list:
+    """The array's addressable shards in device-id order (the order of its regions)."""
+    return sorted(array.addressable_shards, key=lambda s: s.device.id)
+
+
+def host_regions(name: str, array: jax.Array) -> list[Region]:
+    """The regions of an XLA-allocated host (CPU) array's shards, named and ordered as
+    ``allocate_sharded`` does; ``owner`` is the array."""
+    shards = device_shards(array)
+    if {s.device.platform for s in shards} != {"cpu"}:
+        raise ValueError(f"region {name!r}: XLA's device memory is not registrable "
+                         "(transfer.memory); allocate it with allocate_sharded")
+    return [Region(n, s.data.unsafe_buffer_pointer(), s.data.nbytes, 0, "DRAM", owner=array)
+            for n, s in zip(_region_names(name, len(shards)), shards)]
+
+
+def _region_names(name: str, count: int) -> list[str]:
+    return [name] if count == 1 else [f"{name}@{i}" for i in range(count)]
 
 
 def size_xla_pool(param_bytes: int, utilization: float) -> int | None:
-    """On a GPU, before JAX starts: cap XLA's memory pool at the weights plus the share
-    ``1 - utilization`` of the device (activations, compiled programs' scratch), so that
-    the regions, allocated beside the pool, get the rest. Returns the device's total
-    bytes, or None without a GPU.
+    """On a GPU, before JAX starts: cap XLA's memory pool at ``param_bytes`` (the weights
+    one device holds) plus the share ``1 - utilization`` of the device (activations,
+    compiled programs' scratch), so that the regions, allocated beside the pool, get the
+    rest. Returns the device's total bytes, or None without a GPU.
 
     XLA's pool never shrinks, and grown on demand while the weights were created it kept
     all but 11 GiB of an H200 (bench/RESULTS.md, issue 8), so an uncapped pool keeps

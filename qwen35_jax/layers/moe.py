@@ -111,5 +111,9 @@ def _expert_parallel(mesh, axes, x, experts, weights, w_gate_up, w_down, layer):
         return jax.lax.psum(
             _local_experts(x, experts, weights, w_gate_up, w_down, first, layer), axes)
 
+    # No check_vma: the grouped matmul is a Pallas call, whose output types carry no
+    # mesh-axis variance (jax 0.11 refuses them inside a checked shard_map), as in
+    # `sharding.per_device`; the psum makes the result the same on every expert shard.
     return jax.shard_map(body, mesh=mesh, in_specs=(rows, rows, rows, split, split, P()),
-                         out_specs=rows)(x, experts, weights, w_gate_up, w_down, layer)
+                         out_specs=rows, check_vma=False)(x, experts, weights, w_gate_up,
+                                                          w_down, layer)
