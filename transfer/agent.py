@@ -18,6 +18,7 @@ calls it binds itself first (``bind_thread``).
 from __future__ import annotations
 
 import logging
+import os
 import uuid
 from typing import Sequence
 
@@ -60,6 +61,14 @@ class Agent:
         # without the thread (2×H200, same day), so VRAM agents keep it by default.
         if progress_thread is None:
             progress_thread = self.mem_type == "VRAM"
+        if self.mem_type == "VRAM":
+            # UCX's cuda_ipc offers zero-copy GET (our READ) only where NVML reports active
+            # NVLinks on GPU 0 (``uct_cuda_ipc_iface_get_max_get_zcopy``); elsewhere, e.g.
+            # prefill and decode processes on one H200, the READ fell back to software
+            # emulation over TCP at 0.5 GB/s. Forced on, the same READ ran at copy speed
+            # (bench/RESULTS.md, issue 5, one H200). UCX reads it when the agent's context
+            # starts; a value already in the environment wins.
+            os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
         config = nixl_agent_config(enable_prog_thread=progress_thread, num_threads=num_threads,
                                    backends=["UCX"],
                                    sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
