@@ -15,7 +15,8 @@ bench/RESULTS.md, issue 8, "Decode step: profile, then fix"):
 
 Each case runs ``seqs`` greedy requests of ``--prompt-len`` tokens twice, once for one
 token and once for ``1 + steps`` tokens (``ignore_eos``); a decode step costs the
-difference over ``steps`` (``bench.timing.decode_step_seconds``). The caches are swapped under
+difference over ``steps`` (``bench.timing.decode_step_seconds``); beside it, the median time
+the host spent dispatching a step (``DispatchTimer``). The caches are swapped under
 the same engine (``Runner.swap_cache``: same shapes and dtypes, so no recompile).
 First it counts the copies of a whole cache array in the compiled programs (none on CPU).
 With ``--profile`` it also traces the plain engine on XLA's cache (``bench.profile``) and
@@ -56,6 +57,29 @@ def full_cache_copies(runner) -> dict:
             out[f"{'decode' if key[0] else 'prefill'} {key[1]}x{key[2]} {name}"] = sum(
                 bool(pattern.search(line)) for line in text.splitlines())
     return out
+
+
+class DispatchTimer:
+    """Seconds the host spends in ``Runner.run``, dispatching a step's programs. With async
+    scheduling that is a small part of a step; close to all of it means the dispatch waits
+    for the device, and the host's work between steps no longer overlaps the device's
+    (a ``lax.cond`` did that: ``serving/engine/sampler.py``)."""
+
+    def __init__(self, runner):
+        self.seconds: list[float] = []
+        run = runner.run
+
+        def timed(x, is_decode):
+            t = time.perf_counter()
+            out = run(x, is_decode)
+            self.seconds.append(time.perf_counter() - t)
+            return out
+
+        runner.run = timed
+
+    def median_ms(self, first: int) -> float:
+        """Median of the dispatches since the ``first``-th, in ms (decode steps dominate)."""
+        return 1e3 * float(np.median(self.seconds[first:]))
 
 
 def run_async(engine: Engine, prompts, max_tokens: int) -> float:
@@ -115,6 +139,7 @@ def main(argv=None) -> dict:
     print("whole-cache copies per step:", {k: v for k, v in copies.items() if v} or "none")
     rng = np.random.default_rng(0)
     rows, profiles = [], {}
+    dispatch = DispatchTimer(engine.runner)
     if a.profile_prefill:
         prompt = [rng.integers(3, 500, a.profile_prefill).tolist()]
         run_sync(engine, prompt, 1)  # warm
@@ -127,10 +152,13 @@ def main(argv=None) -> dict:
         for loop, run in (("engine", run_sync), ("async", run_async)):
             for n in a.seqs:
                 prompts = [rng.integers(3, 500, a.prompt_len).tolist() for _ in range(n)]
+                first = len(dispatch.seconds)
                 s = decode_step_seconds(run, engine, prompts, a.steps)
-                rows.append({"cache": cache_kind, "loop": loop, "seqs": n, "step_ms": 1e3 * s})
+                d = dispatch.median_ms(first)
+                rows.append({"cache": cache_kind, "loop": loop, "seqs": n, "step_ms": 1e3 * s,
+                             "dispatch_ms": d})
                 print(f"cache {cache_kind:>10}  loop {loop:>6}  seqs {n:>4}  "
-                      f"decode step {1e3 * s:8.2f} ms", flush=True)
+                      f"decode step {1e3 * s:8.2f} ms  dispatch {d:6.2f} ms", flush=True)
                 if a.profile and cache_kind == "xla" and loop == "engine":
                     step = profile.difference(
                         profile.kernel_times(lambda: run(engine, prompts, 1 + a.steps)),
@@ -139,10 +167,11 @@ def main(argv=None) -> dict:
                     print(f"one decode step at {n} sequences, from the trace:\n"
                           f"{profile.table(step)}", flush=True)
     base = {r["seqs"]: r["step_ms"] for r in rows if r["cache"] == "xla" and r["loop"] == "engine"}
-    print("| cache | loop | seqs | decode step ms | vs xla + engine |\n|---|---|---|---|---|")
+    print("| cache | loop | seqs | decode step ms | vs xla + engine | dispatch ms |\n"
+          "|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['cache']} | {r['loop']} | {r['seqs']} | {r['step_ms']:.2f} | "
-              f"{r['step_ms'] / base[r['seqs']]:.2f}x |")
+              f"{r['step_ms'] / base[r['seqs']]:.2f}x | {r['dispatch_ms']:.2f} |")
     result = {"preset": a.preset, "device": jax.devices()[0].device_kind,
               "cache_gib": {"kv": config.num_blocks * engine.runner.cache.block_nbytes / 2**30},
               "whole_cache_copies": copies, "rows": rows, "profiles": profiles}
