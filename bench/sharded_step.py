@@ -44,8 +44,9 @@ import numpy as np
 
 from bench.hlo import cache_moves
 from bench.timing import decode_step_seconds, run_sync
+import qwen35_jax
 from pallas_kernels import default_backend
-from qwen35_jax.sharding import MeshShape
+from qwen35_jax.sharding import MeshShape, make_mesh
 from serving import LLM, SamplingParams
 from serving.engine.buckets import Buckets
 
@@ -73,12 +74,29 @@ def agreement(got: list, want: list) -> dict:
     return {"identical": len(want) - len(differ), "total": len(want), "first_difference": first}
 
 
+def model_for(preset: str, spec: str, a):
+    """The preset's name, or with ``--layers`` a model of its shapes cut to that many
+    layers (random weights of the same seed), created in the mesh's layout."""
+    if not a.layers:
+        return preset
+    cfg = qwen35_jax.get_preset(preset)
+    period = cfg.full_attention_interval
+    cfg = cfg.replace(num_hidden_layers=a.layers,
+                      layer_types=cfg.layer_types[:period] * (a.layers // period))
+    sizes = mesh_sizes(spec)
+    mesh = make_mesh(MeshShape(**sizes)) if sizes else None
+    dtype = jnp.dtype(a.dtype) if a.dtype else (
+        jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
+    return qwen35_jax.init_random(cfg, seed=0, dtype=dtype, mesh=mesh)
+
+
 def measure(preset: str, spec: str, a, prompts: list, timing_prompts: dict) -> dict:
     """One engine on mesh ``spec``: program check, greedy tokens, decode step times."""
     seqs = max(a.seqs)
     tokens = max(a.prompt_len, 64) * seqs
     t0 = time.perf_counter()
-    llm = LLM(preset, **mesh_sizes(spec), dtype=a.dtype and jnp.dtype(a.dtype),
+    llm = LLM(model_for(preset, spec, a), **mesh_sizes(spec),
+              dtype=a.dtype and jnp.dtype(a.dtype),
               max_num_seqs=seqs, max_num_batched_tokens=tokens,
               max_model_len=a.max_model_len, block_size=a.block_size,
               num_blocks=seqs * -(-a.max_model_len // a.block_size), max_logprobs=0,
@@ -128,12 +146,20 @@ def main(argv=None) -> dict:
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
                    help="weights and cache (default: bfloat16 on GPU, float32 on CPU); "
                         "float32 tells a real difference between meshes from bf16 rounding")
+    p.add_argument("--layers", type=int, default=0,
+                   help="cut the preset to this many layers, two attention intervals or "
+                        "more (with one, the layer scan runs once and XLA copies the state "
+                        "pool instead of updating it in place): float32 35B-A3B shapes fit "
+                        "one H200 that way")
     p.add_argument("--backend", default="auto",
                    help="what the kernels' 'auto' stands for (pallas_kernels.default_backend)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     if a.prompts > max(a.seqs):
         p.error("--prompts must fit one batch (at most max --seqs)")
+    period = qwen35_jax.get_preset(a.preset).full_attention_interval
+    if a.layers and (a.layers % period or a.layers < 2 * period):
+        p.error(f"--layers must be a multiple of {period}, at least {2 * period}")
 
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 500, a.prompt_len).tolist() for _ in range(a.prompts)]
@@ -157,7 +183,8 @@ def main(argv=None) -> dict:
             rows.append({"mesh": r["mesh"], "seqs": n, "step_ms": ms,
                          "ratio": ms / ref["step_ms"][n], "greedy": g})
             print(f"| {r['mesh']} | {n} | {ms:.2f} | {ms / ref['step_ms'][n]:.2f}x | {same} |")
-    result = {"preset": a.preset, "device": jax.devices()[0].device_kind,
+    result = {"preset": a.preset, "layers": a.layers or None,
+              "device": jax.devices()[0].device_kind,
               "devices": jax.device_count(), "backend": a.backend, "rows": rows,
               "runs": [{k: v for k, v in r.items() if k != "tokens"} for r in runs]}
     if a.json:
