@@ -42,6 +42,7 @@ import numpy as np
 
 from qwen35_jax.cache import HybridCache
 from qwen35_jax.config import Qwen35Config
+from qwen35_jax.sharding import cache_shardings
 from transfer import Region, TransferParamsError
 from transfer.memory import allocate_sharded, device_shards, host_regions
 
@@ -213,8 +214,6 @@ def allocate_registered_cache(cfg: Qwen35Config, *, num_blocks: int, block_size:
     """The hybrid cache in memory NIXL can register (``transfer.memory``), its regions and
     its layout: on ``device`` (default the first), or on ``mesh`` laid out by
     ``qwen35_jax.sharding.cache_shardings`` with one region per device shard."""
-    from qwen35_jax.sharding import cache_shardings
-
     if mesh is not None and device is not None:
         raise ValueError("give a device or a mesh, not both")
     shapes = HybridCache.shapes(cfg, num_blocks, block_size, num_slots)
@@ -239,7 +238,6 @@ def shard_regions(cache: HybridCache) -> tuple[list[Region], CacheLayout]:
     cache comes from ``allocate_registered_cache``."""
     regions = {name: host_regions(name, getattr(cache, name)) for name in _ARRAYS}
     return [r for name in _ARRAYS for r in regions[name]], _layout(cache, regions)
-
 
 
 def _layout(cache: HybridCache, regions: dict[str, list[Region]]) -> CacheLayout:

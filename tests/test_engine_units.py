@@ -197,7 +197,7 @@ def test_sampler_mode_is_what_the_rows_need_and_changes_no_token():
         if mode.logprobs:
             np.testing.assert_array_equal(np.asarray(got.top_ids), np.asarray(want.top_ids))
             np.testing.assert_allclose(np.asarray(got.logprob), np.asarray(want.logprob))
-    assert seen <= set(SAMPLER_MODES) and len(seen) >= 4
+    assert seen == set(SAMPLER_MODES)  # every compiled variant was checked
 
 
 def test_capacity_split_from_memory_stats():

@@ -107,8 +107,8 @@ def allocate_sharded(name: str, shape: tuple[int, ...], dtype, sharding: jax.sha
     hold (replicated along a mesh axis) is a region on each of them.
 
     CPU: an XLA-allocated array created in that layout; its shards are ordinary DRAM.
-    GPU: per device, cudaMalloc'd memory of the shard's shape imported through DLPack
-    (as ``allocate``), assembled into the global array without a copy (checked)."""
+    GPU: per device, cudaMalloc'd memory of the shard's shape imported through DLPack,
+    assembled into the global array without a copy (checked)."""
     shape = tuple(shape)
     devices = sorted(sharding.addressable_devices, key=lambda d: d.id)
     shard_shape = sharding.shard_shape(shape)
@@ -124,7 +124,7 @@ def allocate_sharded(name: str, shape: tuple[int, ...], dtype, sharding: jax.sha
                   for n, d in zip(_region_names(name, len(devices)), devices)]
         array = jax.make_array_from_single_device_arrays(shape, sharding, [a for a, _ in pieces])
         regions = [r for _, r in pieces]
-        for region, shard in zip(regions, device_shards(array)):
+        for region, shard in zip(regions, device_shards(array), strict=True):
             ptr = shard.data.unsafe_buffer_pointer()
             if ptr != region.addr or shard.device.local_hardware_id != region.device_id:
                 raise RuntimeError(
