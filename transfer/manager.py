@@ -87,6 +87,10 @@ log = logging.getLogger(__name__)
 ERROR, TIMEOUT, PEER_GONE, STALE = "error", "timeout", "peer_gone", "stale"
 RESEND = 0.25  # seconds between repeats of an unacknowledged "done"
 REMEMBERED = 65536  # completed leases a source remembers, to re-ack repeated "done"s
+# Seconds between polls while a READ into VRAM is in flight: a whole request lands in about
+# a millisecond over cuda_ipc, and a 0.5 ms poll put a ~0.6 ms floor under every READ
+# (bench/RESULTS.md, issue 5). DRAM READs take tens of ms; they poll every 0.5 to 1 ms.
+POLL_VRAM_PULL = 0.0001
 
 
 class TransferParamsError(ValueError):
@@ -509,7 +513,7 @@ class TransferManager:
                     got[c.pull_id] = c
                 else:
                     later.append(c)
-            time.sleep(0.0005)
+            time.sleep(POLL_VRAM_PULL if self.agent.mem_type == "VRAM" else 0.0005)
         with self._lock:
             self._done[:0] = later
         return got

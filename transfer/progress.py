@@ -8,8 +8,9 @@ on 2×H200, against ~1 ms for the READ itself). With NIXL's progress thread off 
 agents, ``transfer.agent``), UCX also advanced only between steps.
 
 So this thread calls ``manager.progress()``: every ``busy`` seconds while a lease or pull is
-open, otherwise every ``idle`` seconds (UCX must still advance: a peer may READ at any
-time) or as soon as the owner pins or pulls (``manager.opened``). Whenever ``progress()``
+open (every ``POLL_VRAM_PULL`` seconds while a READ into VRAM is in flight), otherwise
+every ``idle`` seconds (UCX must still advance: a peer may READ at any time) or as soon
+as the owner pins or pulls (``manager.opened``). Whenever ``progress()``
 leaves something for the owner (completions, landed READs, freed leases) it calls
 ``on_ready()``, which wakes the owner to ``collect()`` it between its steps.
 
@@ -26,7 +27,7 @@ import logging
 import threading
 from typing import Callable
 
-from transfer.manager import TransferManager
+from transfer.manager import POLL_VRAM_PULL, TransferManager
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,7 @@ class ProgressThread:
                  busy: float = 0.001, idle: float = 0.02):
         self._manager, self._on_ready = manager, on_ready
         self._busy, self._idle = busy, idle
+        self._pulling = POLL_VRAM_PULL if manager.agent.mem_type == "VRAM" else busy
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="transfer-progress", daemon=True)
         self._thread.start()
@@ -52,7 +54,7 @@ class ProgressThread:
                     self._on_ready()
             except Exception:  # a bug here must not stop every later ack and completion
                 log.exception("transfer progress failed")
-            m.opened.wait(self._busy if m.busy else self._idle)
+            m.opened.wait(self._pulling if m.pending else self._busy if m.busy else self._idle)
 
     def stop(self) -> None:
         self._stopping = True
