@@ -111,20 +111,19 @@ class Runner:
         shapes = self.buckets.all_shapes()
         samplers = [(n, mode) for n in sorted({n for _, _, n in shapes}) for mode in SAMPLER_MODES]
         lowered = [self._lower(*shape) for shape in shapes]
-        logits = lowered[0].out_info[1]  # [N, vocab]: only N differs between buckets
-        lowered += [self._lower_sampler(mode, jax.ShapeDtypeStruct((n, logits.shape[1]),
-                                                                   logits.dtype))
+        row = lowered[0].out_info[1]  # logits [N, vocab]: only N differs between buckets
+        lowered += [self._lower_sampler(mode, jax.ShapeDtypeStruct((n, row.shape[1]), row.dtype))
                     for n, mode in samplers]
         with ThreadPoolExecutor(compile_threads) as pool:
             programs = list(pool.map(lambda lo: lo.compile(), lowered))
         self._programs = dict(zip(shapes, programs))
         self._samplers = dict(zip(samplers, programs[len(shapes):]))
+        logits = {}  # N -> the logits of one padding step with N rows
         for is_decode, t, n in shapes:
-            x = self._empty(t, n)
-            self.cache, logits = self._programs[is_decode, t, n](
-                self._leaves, self.cache, self.last_token, x)
-            for mode in SAMPLER_MODES:
-                out = self._run_sampler(x, mode, logits)
+            self.cache, logits[n] = self._programs[is_decode, t, n](
+                self._leaves, self.cache, self.last_token, self._empty(t, n))
+        for n, mode in samplers:
+            out = self._run_sampler(self._empty(1, n), mode, logits[n])
         jax.block_until_ready(out)
         self._addresses = self.addresses()
         return time.perf_counter() - t0
