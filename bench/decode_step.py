@@ -31,7 +31,6 @@ import re
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from bench import profile
@@ -41,7 +40,7 @@ from serving.engine import Engine, EngineConfig, SamplingParams
 from serving.engine.buckets import Buckets
 from serving.engine.capacity import allocate_cache
 from serving.kv_transfer import allocate_registered_cache
-from serving.llm import load_model
+from serving.llm import default_dtype, load_model
 
 
 def full_cache_copies(runner) -> dict:
@@ -118,8 +117,7 @@ def main(argv=None) -> dict:
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
 
-    on_cpu = jax.default_backend() == "cpu"
-    dtype = jnp.float32 if on_cpu else jnp.bfloat16
+    dtype = default_dtype()
     seqs = max(a.seqs)
     tokens = max(max(a.prompt_len, 64) * seqs, a.profile_prefill)
     model = load_model(a.preset, dtype, 0)

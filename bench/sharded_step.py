@@ -44,11 +44,12 @@ import numpy as np
 
 from bench.hlo import cache_moves
 from bench.timing import decode_step_seconds, run_sync
-import qwen35_jax
 from pallas_kernels import default_backend
+import qwen35_jax
 from qwen35_jax.sharding import MeshShape, make_mesh
 from serving import LLM, SamplingParams
 from serving.engine.buckets import Buckets
+from serving.llm import default_dtype
 
 
 def mesh_sizes(spec: str) -> dict:
@@ -85,8 +86,7 @@ def model_for(preset: str, spec: str, a):
                       layer_types=cfg.layer_types[:period] * (a.layers // period))
     sizes = mesh_sizes(spec)
     mesh = make_mesh(MeshShape(**sizes)) if sizes else None
-    dtype = jnp.dtype(a.dtype) if a.dtype else (
-        jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
+    dtype = jnp.dtype(a.dtype) if a.dtype else default_dtype()
     return qwen35_jax.init_random(cfg, seed=0, dtype=dtype, mesh=mesh)
 
 

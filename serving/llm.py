@@ -22,6 +22,12 @@ from serving.engine import Engine, EngineConfig, RequestOutput, SamplingParams
 from serving.engine.capacity import allocate_cache, plan_capacity
 
 
+def default_dtype():
+    """Weights and cache dtype unless given: bfloat16 on accelerators; float32 on CPU, where
+    bfloat16 is slow (and where the tests compare against float references)."""
+    return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+
+
 def model_config(model: str):
     """The config of a checkpoint directory or a preset name, read without weights."""
     import qwen35_jax
@@ -55,8 +61,8 @@ def _load_tokenizer(tokenizer, model):
 
 class LLM:
     def __init__(self, model, *, tokenizer=None, dtype=None, seed: int = 0, **engine_kwargs):
-        if dtype is None:  # bf16 on accelerators; float32 on CPU, where bf16 is slow
-            dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+        if dtype is None:
+            dtype = default_dtype()
         engine_kwargs.setdefault("seed", seed)
         config = EngineConfig(**engine_kwargs)
         mesh = config.mesh()

@@ -46,6 +46,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import math
 import os
 import time
 
@@ -60,7 +61,7 @@ from serving.engine import Engine, EngineConfig, SamplingParams
 from serving.engine.capacity import plan_capacity
 from serving.kv_transfer import (allocate_registered_cache, compat_record, pull_items,
                                  source_record)
-from serving.llm import load_model, model_config
+from serving.llm import default_dtype, load_model, model_config
 from transfer import (Agent, Faults, ProgressThread, TransferManager, TransferParamsError,
                       free_bytes, size_xla_pool)
 
@@ -289,17 +290,13 @@ def _param_bytes(model: str, dtype: str, ep: int = 1, tp: int = 1) -> int:
     from flax import nnx
 
     import qwen35_jax
-    from qwen35_jax.sharding import AXES, axis_size, param_spec
+    from qwen35_jax.sharding import AXES, param_shardings
 
     cfg = model_config(model)
-    mesh = jax.sharding.AbstractMesh((1, ep, tp), AXES)
-    total = 0
-    for path, x in nnx.to_flat_state(nnx.state(qwen35_jax.abstract_model(cfg, jnp.dtype(dtype)))):
-        spec = param_spec(cfg, ".".join(map(str, path)), len(x.shape), mesh)
-        axes = [a for entry in spec if entry
-                for a in ((entry,) if isinstance(entry, str) else entry)]
-        total += x.size * x.dtype.itemsize // axis_size(mesh, axes)
-    return total
+    state = nnx.state(qwen35_jax.abstract_model(cfg, jnp.dtype(dtype)))
+    shardings = param_shardings(cfg, state, jax.sharding.AbstractMesh((1, ep, tp), AXES))
+    return sum(math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
+               for x, s in zip(jax.tree.leaves(state), jax.tree.leaves(shardings), strict=True))
 
 
 def _batch_type():
@@ -428,8 +425,7 @@ def main(argv=None):
     if total:
         log.info("XLA pool: %s of %.1f GiB", os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"],
                  total / 2**30)
-    on_cpu = jax.default_backend() == "cpu"
-    dtype = jnp.dtype(a.dtype) if a.dtype else (jnp.float32 if on_cpu else jnp.bfloat16)
+    dtype = jnp.dtype(a.dtype) if a.dtype else default_dtype()
     config = EngineConfig(seed=a.seed, **engine_kwargs(a))
     model = load_model(name, dtype, a.seed, config.mesh())
     config.eos_token_ids = tuple(model.config.eos_token_ids)
