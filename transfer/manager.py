@@ -434,6 +434,11 @@ class TransferManager:
         """Pulls not yet completed."""
         return len(self._pulls)
 
+    def pull_poll(self, default: float) -> float:
+        """Seconds between polls while a READ is in flight: ``POLL_VRAM_PULL`` into VRAM,
+        else ``default``."""
+        return POLL_VRAM_PULL if self.agent.mem_type == "VRAM" else default
+
     @property
     def busy(self) -> bool:
         """Whether a lease or a pull is open, so a message may be due any moment."""
@@ -513,7 +518,7 @@ class TransferManager:
                     got[c.pull_id] = c
                 else:
                     later.append(c)
-            time.sleep(POLL_VRAM_PULL if self.agent.mem_type == "VRAM" else 0.0005)
+            time.sleep(self.pull_poll(0.0005))
         with self._lock:
             self._done[:0] = later
         return got

@@ -8,7 +8,7 @@ on 2×H200, against ~1 ms for the READ itself). With NIXL's progress thread off 
 agents, ``transfer.agent``), UCX also advanced only between steps.
 
 So this thread calls ``manager.progress()``: every ``busy`` seconds while a lease or pull is
-open (every ``POLL_VRAM_PULL`` seconds while a READ into VRAM is in flight), otherwise
+open (every ``manager.pull_poll(busy)`` seconds while a READ is in flight), otherwise
 every ``idle`` seconds (UCX must still advance: a peer may READ at any time) or as soon
 as the owner pins or pulls (``manager.opened``). Whenever ``progress()``
 leaves something for the owner (completions, landed READs, freed leases) it calls
@@ -27,7 +27,7 @@ import logging
 import threading
 from typing import Callable
 
-from transfer.manager import POLL_VRAM_PULL, TransferManager
+from transfer.manager import TransferManager
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class ProgressThread:
                  busy: float = 0.001, idle: float = 0.02):
         self._manager, self._on_ready = manager, on_ready
         self._busy, self._idle = busy, idle
-        self._pulling = POLL_VRAM_PULL if manager.agent.mem_type == "VRAM" else busy
+        self._pulling = manager.pull_poll(busy)
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="transfer-progress", daemon=True)
         self._thread.start()
