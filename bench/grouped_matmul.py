@@ -10,10 +10,11 @@ under 1e-2 (bf16 output rounding is ~4e-3) and every row must be finite.
 
 Timing: the 35B-A3B expert shapes (2048 -> 1024 gate/up, 512 -> 2048 down, 256
 experts, top-8) at decode (16 to 256 sequences) and prefill (512 to 8192 tokens) row
-counts, weights stacked over two layers as the scanned model passes them: "mgpu" (the
-Mosaic GPU kernel, default tiles) slices the layer out first, as the model must for it;
-"mgpu, no slice" is the kernel alone on one layer's weights; "pallas" is the Pallas
-Triton kernel per tile in PALLAS_TILES, reading the stack in place. Routing drawn
+counts, weights stacked over two layers as the scanned model passes them: "mgpu" (our
+Mosaic GPU kernel, default tiles) and "pallas" (the Pallas Triton kernel per tile in
+PALLAS_TILES) read the stack in place; the peer in the same run is JAX's own Mosaic GPU
+kernel (``ragged_dot_mgpu``, same tiles), which takes one layer's weights: "jax mgpu"
+slices the layer out first, "jax mgpu, no slice" is given the layer alone. Routing drawn
 uniformly, as random weights route. Each time is the median over samples of (10
 back-to-back calls / 10) after a warm-up, beside its floor: the touched experts'
 weights + activations over the read bandwidth, and 2 R K N over the bf16 matmul rate,
@@ -31,7 +32,7 @@ import jax.numpy as jnp
 from bench.roofline import measure_ceilings
 from bench.timing import seconds_per_call
 from pallas_kernels.grouped_matmul import (
-    grouped_matmul, grouped_matmul_pallas, mgpu_kernel, mgpu_tiles, padded_call)
+    grouped_matmul, grouped_matmul_mgpu, grouped_matmul_pallas, mgpu_tiles, padded_call)
 from pallas_kernels.tuning import grouped_matmul_config
 
 E, TOP_K, LAYERS = 256, 8, 2
@@ -42,6 +43,9 @@ ROWS = {"decode16": 16 * TOP_K, "decode64": 64 * TOP_K, "decode128": 128 * TOP_K
 PALLAS_TILES = [dict(bm=bm, bn=bn, bk=bk, warps=w, stages=s) for bm, bn, bk, w, s in (
     (16, 128, 64, 4, 3), (16, 64, 64, 4, 3), (16, 256, 64, 4, 3), (16, 128, 128, 4, 3),
     (16, 128, 64, 4, 4), (16, 128, 64, 2, 3), (32, 128, 64, 4, 3), (64, 128, 64, 4, 3))]
+MGPU_SWEEP = [dict(block_m=bm, block_n=bn, block_k=bk, max_concurrent_steps=st)
+              for bm, bn, bk, st in ((64, 128, 64, 4), (128, 128, 64, 4), (64, 256, 64, 5),
+                                     (128, 128, 64, 3), (64, 256, 128, 2))]
 
 
 def _inputs(rng, rows, k, n, empty=0):
@@ -77,13 +81,27 @@ def check(rng) -> list[dict]:
     return out
 
 
+def _jax_mgpu(x, w, group_sizes, group_offset, **tiles):
+    """JAX's Mosaic GPU grouped matmul (the peer) in ``padded_call``'s signature."""
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+    w = jax.lax.dynamic_slice_in_dim(w, group_offset, group_sizes.shape[0], 0)
+    return ragged_dot_mgpu.ragged_dot(x, w, group_sizes=group_sizes, grid_block_n=1, **tiles)
+
+
 def _variants(x, w):
     """(name, jitted fn of (x, w, sizes)) for each way timed, the defaults first."""
     tiles = mgpu_tiles(x, w[:E])
     yield "mgpu", jax.jit(lambda a, b, g: grouped_matmul(a, b, g, group_offset=E,
                                                          backend="mgpu"))
-    yield "mgpu, no slice", jax.jit(lambda a, b, g: padded_call(mgpu_kernel(), a, b[E:], g,
-                                                                tiles))
+    yield "jax mgpu", jax.jit(lambda a, b, g: padded_call(_jax_mgpu, a, b, g, E, tiles))
+    yield "jax mgpu, no slice", jax.jit(
+        lambda a, b, g: padded_call(_jax_mgpu, a, b[E:], g, 0, tiles))
+    for t in MGPU_SWEEP:
+        if t != tiles:
+            name = "mgpu " + "x".join(str(v) for v in t.values())
+            yield name, jax.jit(lambda a, b, g, t=t: padded_call(grouped_matmul_mgpu, a, b, g,
+                                                                 E, t))
     for t in PALLAS_TILES:
         name = "pallas " + "x".join(str(t[f]) for f in ("bm", "bn", "bk", "warps", "stages"))
         if t == grouped_matmul_config(x.shape[0]):
@@ -91,10 +109,11 @@ def _variants(x, w):
         yield name, jax.jit(lambda a, b, g, t=t: grouped_matmul_pallas(a, b, g, E, config=t))
 
 
-def timings(rng, ceil) -> list[dict]:
+def timings(rng, ceil, phases) -> list[dict]:
     out = []
     for shape, (k, n) in SHAPES.items():
-        for phase, rows in ROWS.items():
+        for phase in phases:
+            rows = ROWS[phase]
             x, w, sizes = _inputs(rng, rows, k, n)
             touched = int((np.asarray(sizes) > 0).sum())
             floor = max(2 * rows * k * n / ceil["matmul_flops_per_s"],
@@ -118,6 +137,8 @@ def main(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", default=None)
     p.add_argument("--check-only", action="store_true", help="the check, without the timings")
+    p.add_argument("--phases", nargs="+", choices=list(ROWS), default=list(ROWS),
+                   help="row counts to time (default: all)")
     a = p.parse_args(argv)
     rng = np.random.default_rng(0)
     result = {"device": jax.devices()[0].device_kind, "checks": check(rng)}
@@ -128,7 +149,7 @@ def main(argv=None):
     result["ceilings"] = ceil = measure_ceilings(2 << 30, 8192)
     print(f"read {ceil['read_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul "
           f"{ceil['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s", flush=True)
-    result["timings"] = timings(rng, ceil)
+    result["timings"] = timings(rng, ceil, a.phases)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(result, f, indent=2)

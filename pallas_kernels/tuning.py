@@ -72,19 +72,19 @@ ATTENTION = {
 
 # MoE grouped matmul (pallas_kernels/grouped_matmul/pallas_triton.py): "tiles" per
 # routed-row count (bm rows x bn columns per program, bk of K per inner step), for rows
-# up to each bound; "auto" takes JAX's Mosaic GPU kernel above "mgpu_above" rows.
+# up to each bound; "auto" takes the Mosaic GPU kernel (grouped_matmul/mgpu.py, wgmma:
+# sm90 only) above "mgpu_above" rows, None for never.
 _GMM_DECODE = dict(bm=16, bn=128, bk=64, warps=4, stages=3)
 _GMM_MID = dict(bm=64, bn=128, bk=64, warps=4, stages=3)
 GROUPED_MATMUL = {
-    # H200 2026-11-30 (bench/RESULTS.md, issue 8): 16-row tiles within 10 % of the best
-    # of 8 tiles up to 2048 rows (256 sequences x top-8), 0.27 against Mosaic's 0.34 ms
-    # (2048 -> 1024) at 512 rows; 64-row tiles from 4096 rows; Mosaic above 16384 rows.
-    # In the model Mosaic also pays for copying the layer's experts out of the stack
-    # (~0.38 ms a copy in the decode-step profile: 30.4 ms for 80): at 16384 rows
-    # 0.53 + 0.38 ms against Pallas' 0.62, at 65536 rows 1.10 + 0.38 against 1.98
-    "sm90": dict(tiles=((2048, _GMM_DECODE), (None, _GMM_MID)), mgpu_above=16384),
-    # Blackwell: not measured yet; starts from the Hopper entry
-    "sm100": dict(tiles=((2048, _GMM_DECODE), (None, _GMM_MID)), mgpu_above=16384),
+    # H200 (bench/RESULTS.md, issue 8): 16-row tiles within 10 % of the best of 8 tiles
+    # up to 2048 rows (256 sequences x top-8), 0.30 against Mosaic's 0.37 ms (2048 ->
+    # 1024) at 2048 rows; 64-row tiles from 4096 rows; Mosaic from 16384 rows (2026-12-01,
+    # both reading the layer stack in place: 0.42 against 0.54 ms for 2048 -> 1024, 0.31
+    # against 0.30 for 512 -> 2048; at 65536 rows 0.77 against 1.72 and 0.62 against 0.92)
+    "sm90": dict(tiles=((2048, _GMM_DECODE), (None, _GMM_MID)), mgpu_above=8192),
+    # Blackwell: not measured yet; the Hopper entry without the wgmma kernel
+    "sm100": dict(tiles=((2048, _GMM_DECODE), (None, _GMM_MID)), mgpu_above=None),
     # CPU interpret mode: small tiles so the tests walk several row and K tiles
     "default": dict(tiles=((None, dict(bm=16, bn=16, bk=16, warps=4, stages=2)),),
                     mgpu_above=None),
@@ -146,6 +146,6 @@ def grouped_matmul_config(rows: int, arch=None) -> dict:
 
 
 def grouped_matmul_prefers_mgpu(rows: int, arch=None) -> bool:
-    """Whether JAX's Mosaic GPU kernel beats the Pallas one at `rows` routed rows."""
+    """Whether the Mosaic GPU kernel beats the Pallas one at `rows` routed rows."""
     above = GROUPED_MATMUL[_family(arch or gpu_arch())]["mgpu_above"]
     return above is not None and rows > above

@@ -1,8 +1,8 @@
 """Grouped matmul: the reference and the Pallas kernel body (interpret mode) against a
-float64 per-row oracle, and the padding contract around the Mosaic GPU kernel, checked
-on CPU with a stand-in that enforces that kernel's input rules and leaves unowned rows
-unwritten (NaN). The GPU kernels run only on sm90; bench/grouped_matmul.py checks them
-there before timing."""
+float64 per-row oracle; the Mosaic GPU kernel's tile table, walked on CPU the way the
+kernel walks it; and the padding contract around that kernel, checked with a stand-in
+that enforces its input rules and leaves unowned rows unwritten (NaN). The GPU kernels
+run only on sm90; bench/grouped_matmul.py checks them there before timing."""
 
 import numpy as np
 import pytest
@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.grouped_matmul import (
-    grouped_matmul, grouped_matmul_reference, mgpu_tiles, padded_call, resolve)
+    grouped_matmul, grouped_matmul_reference, mgpu_tiles, padded_call, resolve, tile_table)
 
 
 def _oracle(x, w, sizes, offset=0):
@@ -33,16 +33,57 @@ def _case(rng, rows, experts, k, n, empty=()):
     return x, w, sizes
 
 
-def _stand_in(lhs, rhs, *, group_sizes, block_m, block_n, block_k, max_concurrent_steps,
-              grid_block_n):
+def _stand_in(lhs, rhs, group_sizes, group_offset, *, block_m, block_n, block_k,
+              max_concurrent_steps):
     """The Mosaic kernel's contract: whole row tiles of at least one tile, K and N
     tile multiples; rows past sum(group_sizes) are not written (NaN here)."""
     m, k = lhs.shape
     assert m >= block_m and m % block_m == 0, (m, block_m)
-    assert k % block_k == 0 and rhs.shape[2] % (block_n * grid_block_n) == 0
-    out = jax.lax.ragged_dot(lhs, rhs, group_sizes, precision=jax.lax.Precision.HIGHEST)
+    assert k % block_k == 0 and rhs.shape[2] % block_n == 0
+    assert max_concurrent_steps >= 2
+    out = grouped_matmul_reference(lhs, rhs, group_sizes, group_offset)
     owned = jnp.arange(m)[:, None] < jnp.sum(group_sizes)
     return jnp.where(owned, out, jnp.nan)
+
+
+def _walk_tiles(x, w, sizes, offset, block_m):
+    """What the Mosaic kernel does with its tile table, in float64: for each live tile,
+    rows [block * block_m + lo, + size) times w[group], written in power-of-two row
+    runs, largest first, as its TMA stores are. Unwritten rows stay NaN."""
+    table = np.asarray(tile_table(jnp.asarray(sizes), offset, x.shape[0], block_m))
+    assert table.shape == (4, -(-x.shape[0] // block_m) + len(sizes) - 1)
+    out = np.full((x.shape[0], w.shape[2]), np.nan)
+    for group, block, lo, size in table.T:
+        assert 0 <= lo and lo + size <= block_m, (block, lo, size)
+        row = block * block_m + lo
+        for j in reversed(range(int(np.log2(block_m)) + 1)):
+            if size & (1 << j):
+                assert np.isnan(out[row:row + (1 << j)]).all(), "a row written twice"
+                out[row:row + (1 << j)] = x[row:row + (1 << j)] @ w[group]
+                row += 1 << j
+    return out
+
+
+@pytest.mark.parametrize("rows,experts,empty", [(64, 4, ()), (200, 8, (0, 3, 7)),
+                                                 (1000, 64, tuple(range(0, 64, 3))),
+                                                 (256, 16, tuple(range(1, 16)))])
+def test_tile_table_covers_each_row_once_with_its_group(rows, experts, empty):
+    """Every owned row lies in exactly one live tile, multiplied by its own group's
+    weights (offset into a stack of 2 layers); padding rows past the groups are never
+    written; live tiles come first and the rest have no rows."""
+    rng = np.random.default_rng(rows)
+    owned = rows - 5
+    x, _, sizes = _case(rng, owned, experts, 8, 8, empty=empty)
+    x = np.concatenate([x, rng.standard_normal((5, 8))])
+    x = np.pad(x, ((0, -rows % 64), (0, 0)))
+    w = rng.standard_normal((2 * experts, 8, 8))
+    out = _walk_tiles(x, w, sizes, experts, 64)
+    ref = _oracle(x[:owned], w, sizes, experts)
+    assert np.isfinite(out[:owned]).all() and np.isnan(out[owned:]).all()
+    np.testing.assert_allclose(out[:owned], ref, rtol=1e-12, atol=1e-12)
+    size = np.asarray(tile_table(jnp.asarray(sizes), experts, x.shape[0], 64))[3]
+    live = int((size > 0).sum())
+    assert (size[:live] > 0).all() and (size[live:] == 0).all()
 
 
 def test_reference_matches_oracle_with_empty_groups():
@@ -59,9 +100,9 @@ def test_padding_to_row_tiles_returns_every_row(rows):
     tiles; every returned row is written and right, padding rows are cut off."""
     rng = np.random.default_rng(rows)
     x, w, sizes = _case(rng, rows, 8, 128, 128, empty=(1, 5))
-    tiles = dict(block_m=64, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1)
+    tiles = dict(block_m=64, block_n=128, block_k=64, max_concurrent_steps=4)
     out = np.asarray(padded_call(_stand_in, jnp.asarray(x), jnp.asarray(w),
-                                 jnp.asarray(sizes), tiles))
+                                 jnp.asarray(sizes), 0, tiles))
     assert out.shape == (rows, 128) and np.isfinite(out).all()
     ref = _oracle(x, w, sizes)
     assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-5

@@ -1,38 +1,40 @@
-"""JAX's Mosaic GPU grouped matmul (``jax.experimental.pallas.ops.gpu.ragged_dot_mgpu``):
-wgmma + TMA, the fastest path on sm90 for many rows per expert (prefill). Anchors.md:
-``jax.lax.ragged_dot`` runs about 90x slower on Hopper (124.5 ms against 1.38 ms for
-8192 tokens x top-8 over 256 experts).
+"""Mosaic GPU grouped matmul for prefill-size MoE batches (sm90: wgmma + TMA).
 
-What the kernel needs, and how the wrapper provides it:
-  * lhs and rhs of one 16-bit dtype (it accumulates in float32 and writes the
-    lhs dtype, as the reference does after its float32 product);
-  * K a multiple of block_k and N of block_n (MGPU_TILES; else: another path);
-  * at least block_m rows, tiled by block_m: rows are zero-padded up to a
-    multiple of block_m. The kernel writes only rows below sum(group_sizes),
-    so the padding rows (never part of a group) are left unwritten and cut off.
-  * weights laid out [E, K, N] (our MoE's layout, ``x @ w[e]``): no transpose;
-    exactly one weight matrix per group, so a layer's experts are sliced out of
-    a stack of layers first (a copy of the layer's expert weights).
+The work is a list of tiles, one per (row block, group) pair that holds rows, built in
+XLA before the launch (``tile_table``): tile t multiplies rows [lo, lo + size) of row
+block ``block`` by ``w[group]``. Each SM walks the tiles x column tiles round-robin;
+a tile's K loop is a TMA pipeline feeding wgmma, and its rows are stored by a ladder of
+power-of-two TMA stores (a TMA store has a static shape, the row count is dynamic).
 
-Every (row tile + group boundary) x column tile runs the whole K loop, empty groups
-and unused tiles included, so its time hardly falls with fewer rows: for decode-size
-row counts ``pallas_triton.py`` is faster (bench/RESULTS.md).
+Two things JAX's ``ragged_dot_mgpu`` does not do, and why they matter here:
+  * ``group`` is an index into the whole weight stack ([L * E, K, N], every layer's
+    experts), so the scanned model passes the stack as it is. Slicing one layer's
+    experts out inside the layer scan materialises a copy of all of them: 38 ms of a
+    261 ms 8192-token 35B-A3B prefill (bench/RESULTS.md).
+  * the table is read, not derived: JAX's kernel unrolls a select chain over every
+    group per tile (256 groups x ~10 scalar ops before each tile's first TMA), and
+    it runs the whole K loop for row-block/group pairs without rows; tiles past the
+    table's live count do nothing here.
+
+Rows must fill whole row blocks (``padded_call`` pads); rows past sum(group_sizes)
+are not written.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
+import jax
 import jax.numpy as jnp
 
 # Tiles in order of preference; the first whose block_k divides K and block_n
-# divides N is taken. H200, jax 0.11.2, 2026-11-30 (bench/RESULTS.md): 64 x 256
-# x 64 with 4 stages was the fastest of four tiles at every row count measured,
-# for both 35B-A3B expert shapes (e.g. 2048 -> 1024 over 256 experts: 0.34 ms at
-# 512 rows against 0.44 ms for 128 x 128; 0.54 ms against 0.68 ms at 16384 rows).
+# divides N is taken. H200, jax 0.11.2, 2026-11-30 (bench/RESULTS.md, measured with
+# JAX's kernel, which has the same TMA / wgmma tile structure): 64 x 256 x 64 with
+# 4 stages was the fastest of four tiles at every row count measured.
 MGPU_TILES = (
-    dict(block_m=64, block_n=256, block_k=64, max_concurrent_steps=4, grid_block_n=1),
-    dict(block_m=64, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1),
+    dict(block_m=64, block_n=256, block_k=64, max_concurrent_steps=4),
+    dict(block_m=64, block_n=128, block_k=64, max_concurrent_steps=4),
 )
 
 
@@ -43,27 +45,117 @@ def mgpu_tiles(x, w) -> dict | None:
     if x.dtype != w.dtype or x.dtype not in (jnp.bfloat16, jnp.float16):
         return None
     for tiles in MGPU_TILES:
-        if k % tiles["block_k"] == 0 and n % (tiles["block_n"] * tiles["grid_block_n"]) == 0:
+        if k % tiles["block_k"] == 0 and n % tiles["block_n"] == 0:
             return tiles
     return None
 
 
-def padded_call(kernel, x, w, group_sizes, tiles: dict):
-    """Run ``kernel(lhs, rhs, group_sizes=..., **tiles)`` on rows padded to whole
-    row tiles and return the first R rows. Separate from the kernel import so the
-    padding contract is testable on any platform."""
+def tile_table(group_sizes, group_offset, rows: int, block_m: int):
+    """int32 [4, T]: per tile (group + group_offset, row block, first row within the
+    block, row count), tiles in row order, then zero-row tiles up to T = the static
+    bound cdiv(rows, block_m) + E - 1 (a group adds at most one block it shares)."""
+    e = group_sizes.shape[0]
+    sizes = group_sizes.astype(jnp.int32)
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
+    first = starts // block_m
+    count = jnp.where(sizes > 0, (ends - 1) // block_m - first + 1, 0)
+    tile_end = jnp.cumsum(count)
+    t_max = -(-rows // block_m) + e - 1
+    t = jnp.arange(t_max, dtype=jnp.int32)
+    g = jnp.minimum(jnp.searchsorted(tile_end, t, side="right"), e - 1).astype(jnp.int32)
+    block = first[g] + t - (tile_end[g] - count[g])
+    lo = jnp.maximum(starts[g], block * block_m)
+    hi = jnp.minimum(ends[g], (block + 1) * block_m)
+    live = t < tile_end[-1]
+    size = jnp.where(live, hi - lo, 0)
+    return jnp.stack([g + jnp.asarray(group_offset, jnp.int32), jnp.where(live, block, 0),
+                      jnp.where(live, lo - block * block_m, 0), size])
+
+
+def grouped_matmul_mgpu(x, w, group_sizes, group_offset=0, *, block_m: int, block_n: int,
+                        block_k: int, max_concurrent_steps: int):
+    """x [R, K] (R a multiple of block_m, rows sorted by group), w [G, K, N], group_sizes
+    [E]: out[r] = x[r] @ w[group_offset + e] for the rows r of group e, float32
+    accumulation, x's dtype out."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    m, k = x.shape
+    _, _, n = w.shape
+    if m % block_m or k % block_k or n % block_n:
+        raise ValueError(f"tiles {block_m} x {block_n} x {block_k} do not divide "
+                         f"x {x.shape}, w {w.shape}")
+    table = tile_table(group_sizes, group_offset, m, block_m)
+    t_max = table.shape[1]
+    grid_n = n // block_n
+
+    def body(table_gmem, x_gmem, w_gmem, o_gmem):
+        @plgpu.nd_loop((t_max, grid_n), collective_axes="sm")
+        def _tile(info):
+            t, ni = info.index
+            group, block = table_gmem[0, t], table_gmem[1, t]
+            lo, size = table_gmem[2, t], table_gmem[3, t]
+
+            @pl.when(size > 0)
+            def _():
+                def k_loop(acc_ref):
+                    plgpu.emit_pipeline(
+                        lambda _, x_smem, w_smem: plgpu.wgmma(acc_ref, x_smem, w_smem),
+                        grid=(k // block_k,),
+                        in_specs=[
+                            plgpu.BlockSpec((block_m, block_k), lambda kk: (block, kk),
+                                            delay_release=1),
+                            plgpu.BlockSpec((block_k, block_n), lambda kk: (kk, ni),
+                                            delay_release=1),
+                        ],
+                        max_concurrent_steps=max_concurrent_steps,
+                    )(x_gmem, w_gmem.at[group])
+                    return acc_ref[...]
+
+                acc = pl.run_scoped(k_loop, plgpu.ACC((block_m, block_n)))
+
+                @functools.partial(pl.run_scoped,
+                                   o_smem=plgpu.SMEM((block_m, block_n), o_gmem.dtype))
+                def _store(o_smem):
+                    o_smem[...] = acc.astype(o_smem.dtype)
+                    plgpu.commit_smem()
+                    # Rows [lo, lo + size) in stores of 2^j rows for each set bit j of
+                    # size, largest first: every store has a static shape.
+                    row = lo
+                    for j in reversed(range(int(math.log2(block_m)) + 1)):
+                        rows_j = 1 << j
+
+                        @pl.when(size & rows_j != 0)
+                        def _(row=row, rows_j=rows_j):
+                            plgpu.copy_smem_to_gmem(
+                                o_smem.at[pl.ds(row, rows_j)],
+                                o_gmem.at[pl.ds(block * block_m + row, rows_j),
+                                          pl.ds(ni * block_n, block_n)])
+
+                        row = row + (size & rows_j)
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    sms = getattr(jax.devices()[0], "core_count", 132)  # one loop per SM (H200: 132)
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((m, n), x.dtype),
+        grid=(sms,),
+        grid_names=("sm",),
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )
+    return kernel(table, x, w)
+
+
+def padded_call(kernel, x, w, group_sizes, group_offset, tiles: dict):
+    """Run ``kernel(x, w, group_sizes, group_offset, **tiles)`` on rows padded to whole
+    row blocks and return the first R rows. Separate from the kernel so the padding
+    contract is testable on any platform."""
     r = x.shape[0]
     bm = tiles["block_m"]
     rows = max(bm, -(-r // bm) * bm)
     if rows != r:
         x = jnp.pad(x, ((0, rows - r), (0, 0)))
-    out = kernel(x, w, group_sizes=group_sizes.astype(jnp.int32), **tiles)
+    out = kernel(x, w, group_sizes.astype(jnp.int32), group_offset, **tiles)
     return out[:r] if rows != r else out
-
-
-@functools.lru_cache(maxsize=None)
-def mgpu_kernel():
-    """JAX's Mosaic GPU grouped matmul, imported on first use (GPU only)."""
-    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
-
-    return ragged_dot_mgpu.ragged_dot

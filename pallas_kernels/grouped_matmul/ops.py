@@ -4,8 +4,8 @@ Backends:
   "auto"      -> on sm90 / sm100: the Pallas Triton kernel up to the routed-row count
                  the tuning table gives (decode and short prefill: it skips experts
                  without rows and reads a layer's experts in place from a stack of
-                 layers), JAX's Mosaic GPU kernel above it (long prefill: wgmma + TMA),
-                 each where the shapes fit it; the reference elsewhere (CPU) or where
+                 layers), the Mosaic GPU kernel above it (long prefill: wgmma + TMA,
+                 also reading the stack in place), each where the shapes fit it; the reference elsewhere (CPU) or where
                  neither fits.
   "reference" -> ``jax.lax.ragged_dot`` (reference.py).
   "mgpu"      -> the Mosaic GPU kernel (mgpu.py; sm90).
@@ -16,9 +16,9 @@ Backends:
 from __future__ import annotations
 
 from ..tuning import _family, gpu_arch, grouped_matmul_config, grouped_matmul_prefers_mgpu
-from .mgpu import mgpu_kernel, mgpu_tiles, padded_call
+from .mgpu import grouped_matmul_mgpu, mgpu_tiles, padded_call
 from .pallas_triton import grouped_matmul_pallas, tiles_fit
-from .reference import grouped_matmul_reference, select_groups
+from .reference import grouped_matmul_reference
 
 BACKENDS = ("auto", "reference", "mgpu", "pallas", "interpret")
 
@@ -47,10 +47,9 @@ def grouped_matmul(x, w, group_sizes, *, group_offset=0, backend: str = "auto"):
                                          interpret=chosen == "interpret")
         chosen = "mgpu"
     if chosen == "mgpu":
-        w = select_groups(w, group_sizes.shape[0], group_offset)
         tiles = mgpu_tiles(x, w)
         if tiles is not None:
-            return padded_call(mgpu_kernel(), x, w, group_sizes, tiles)
+            return padded_call(grouped_matmul_mgpu, x, w, group_sizes, group_offset, tiles)
         if backend == "mgpu":
             raise ValueError(f"mgpu grouped matmul does not take x {x.shape} {x.dtype}, "
                              f"w {w.shape} {w.dtype}")
