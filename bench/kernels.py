@@ -132,8 +132,8 @@ def check(name, err, tol):
     return ok
 
 
-PREFILL_CHECK_CFGS = [None, dict(inverse="block32"), dict(inverse="block32", mode="wu"),
-                      dict(inverse="subst")]
+PREFILL_CHECK_CFGS = [None, dict(inverse="block32", mode="M"), dict(inverse="block32", mode="wu"),
+                      dict(inverse="subst", mode="M")]
 
 
 def _cfgs(cfg):
