@@ -47,7 +47,9 @@ def step_meta(batch: Batch, *, num_blocks: int, block_size: int) -> StepMeta:
         seq = tok
         valid = batch.cu_seqlens[1:] > batch.cu_seqlens[:-1]
     else:
-        seq = jnp.searchsorted(batch.cu_seqlens[1:], tok, side="right").astype(jnp.int32)
+        # compare_all: one fused kernel (the default searchsorted is a loop of kernels on GPU)
+        seq = jnp.searchsorted(batch.cu_seqlens[1:], tok, side="right",
+                               method="compare_all").astype(jnp.int32)
         valid = tok < batch.cu_seqlens[-1]
         seq = jnp.minimum(seq, n - 1)
     positions = batch.start_pos[seq] + tok - batch.cu_seqlens[seq]

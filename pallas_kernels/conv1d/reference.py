@@ -22,7 +22,8 @@ def token_positions(cu, T):
     (t >= cu[N]); seq [T] (clipped to N-1)."""
     N = cu.shape[0] - 1
     t = jnp.arange(T, dtype=jnp.int32)
-    seq = jnp.searchsorted(cu[1:], t, side="right").astype(jnp.int32)
+    # compare_all: one fused kernel (the default searchsorted is a loop of kernels on GPU)
+    seq = jnp.searchsorted(cu[1:], t, side="right", method="compare_all").astype(jnp.int32)
     seq = jnp.minimum(seq, N - 1)
     valid = (t < cu[N]) & (t >= cu[0])
     pos = jnp.where(valid, t - cu[:-1][seq], -1)

@@ -90,7 +90,9 @@ def chunk_table(cu, total_tokens, chunk=CHUNK):
     off = off_incl - nch
     total = off_incl[-1] if N > 0 else jnp.int32(0)
     c = jnp.arange(c_max, dtype=jnp.int32)
-    seq = jnp.searchsorted(off_incl, c, side="right").astype(jnp.int32)
+    # compare_all: one fused kernel (the default searchsorted is a loop of kernels on GPU,
+    # and this runs in every GDN layer of a prefill step)
+    seq = jnp.searchsorted(off_incl, c, side="right", method="compare_all").astype(jnp.int32)
     valid = c < total
     seq_c = jnp.minimum(seq, N - 1)
     local = c - off[seq_c]

@@ -63,7 +63,9 @@ def tile_table(group_sizes, group_offset, rows: int, block_m: int):
     tile_end = jnp.cumsum(count)
     t_max = -(-rows // block_m) + e - 1
     t = jnp.arange(t_max, dtype=jnp.int32)
-    g = jnp.minimum(jnp.searchsorted(tile_end, t, side="right"), e - 1).astype(jnp.int32)
+    # compare_all: one fused kernel (the default searchsorted is a loop of kernels on GPU)
+    g = jnp.searchsorted(tile_end, t, side="right", method="compare_all")
+    g = jnp.minimum(g, e - 1).astype(jnp.int32)
     block = first[g] + t - (tile_end[g] - count[g])
     lo = jnp.maximum(starts[g], block * block_m)
     hi = jnp.minimum(ends[g], (block + 1) * block_m)
