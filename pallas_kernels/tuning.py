@@ -91,6 +91,20 @@ GROUPED_MATMUL = {
 }
 
 
+# Stacked-layer matmul x @ w[layer] (pallas_kernels/layer_matmul): bn columns per
+# program, bk of K per inner step, K split until there are min_programs programs;
+# "auto" takes it up to max_rows rows (all rows live in one program's accumulator:
+# 256 x 64 float32 is 128 registers a thread at 4 warps).
+_LAYER_MM_GPU = dict(bn=64, bk=64, warps=4, stages=3, min_programs=132, max_rows=256)
+LAYER_MATMUL = {
+    # H200: first setting, from the grouped matmul's decode tiles; to be swept
+    "sm90": dict(_LAYER_MM_GPU),
+    "sm100": dict(_LAYER_MM_GPU),
+    # CPU interpret mode: small tiles so the tests walk several column tiles and splits
+    "default": dict(bn=16, bk=16, warps=4, stages=2, min_programs=8, max_rows=256),
+}
+
+
 @functools.lru_cache(maxsize=None)
 def gpu_arch() -> str | None:
     """'sm90', 'sm100', 'sm<cc>' for other NVIDIA GPUs, or None without one."""
@@ -149,3 +163,8 @@ def grouped_matmul_prefers_mgpu(rows: int, arch=None) -> bool:
     """Whether the Mosaic GPU kernel beats the Pallas one at `rows` routed rows."""
     above = GROUPED_MATMUL[_family(arch or gpu_arch())]["mgpu_above"]
     return above is not None and rows > above
+
+
+def layer_matmul_config(arch=None) -> dict:
+    """The stacked-layer matmul's tiles on this platform."""
+    return LAYER_MATMUL[_family(arch or gpu_arch())]

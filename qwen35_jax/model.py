@@ -7,11 +7,13 @@ one copy of each layer type whatever the depth.  The whole hybrid cache rides
 in the scan carry and is indexed by layer, which keeps it one set of arrays
 that a jitted step updates in place.
 
-The MoE expert weights are the exception to scanning parameters: they stay out of
-the scanned slices and reach each layer as the whole stack, with the layer's index
-(``_split_experts``). A per-layer slice of a stacked parameter feeding a custom call
-is a copy inside the loop, and for the experts that copy was every expert of every
-layer on every step; the grouped matmul reads a layer's experts from the stack.
+The matmul weights are the exception to scanning parameters: the MoE experts and every
+``Linear`` kernel stay out of the scanned slices and reach each layer as the whole stack,
+with the layer's index (``_split_whole``). A per-layer slice of a stacked parameter
+feeding a GEMM or a custom call is a copy inside the loop: for the experts that copy was
+every expert of every layer on every step, for the dense kernels every dense weight. The
+grouped matmul reads a layer's experts from the stack, ``layer_matmul`` a layer's dense
+kernel (at decode sizes; elsewhere it slices, which XLA then copies).
 """
 
 from __future__ import annotations
@@ -64,14 +66,15 @@ class AttentionDecoderLayer(nnx.Module):
         return h + self.mlp(self.post_attention_layernorm(h), layer), kv
 
 
-def _is_expert_weight(path, _):
-    return path[-1] in ("experts_gate_up", "experts_down")
+def _read_in_place(path, _):
+    """The weights a layer indexes in the stack itself: experts and Linear kernels."""
+    return path[-1] in ("experts_gate_up", "experts_down", "kernel")
 
 
-def _split_experts(stacked: nnx.Module):
-    """(graphdef, expert weights, the rest) of a stacked module: the rest is what a scan
-    slices per layer, the expert weights are passed whole (see the module docstring)."""
-    return nnx.split(stacked, _is_expert_weight, ...)
+def _split_whole(stacked: nnx.Module):
+    """(graphdef, weights passed whole, the rest) of a stacked module: the rest is what a
+    scan slices per layer (see the module docstring)."""
+    return nnx.split(stacked, _read_in_place, ...)
 
 
 def _stack(make, n: int, rngs: nnx.Rngs):
@@ -93,7 +96,7 @@ class LayerGroup(nnx.Module):
         self.attn = AttentionDecoderLayer(cfg, rngs=rngs, dtype=dtype)
 
     def __call__(self, h, cache: HybridCache, group, meta):
-        gdef, experts, gstate = _split_experts(self.gdn)
+        gdef, whole, gstate = _split_whole(self.gdn)
         p, g, r = cache.conv.shape[:3]
         # GDN state pools viewed as [P, G*R, ...]: layer j of group `group` is row group*R + j.
         conv = cache.conv.reshape((p, g * r) + cache.conv.shape[3:])
@@ -102,7 +105,7 @@ class LayerGroup(nnx.Module):
         def gdn_step(carry, xs):
             h, conv, ssm = carry
             j, st = xs
-            return nnx.merge(gdef, experts, st)(h, conv, ssm, group * r + j, meta), None
+            return nnx.merge(gdef, whole, st)(h, conv, ssm, group * r + j, meta), None
 
         (h, conv, ssm), _ = jax.lax.scan(gdn_step, (h, conv, ssm),
                                          (jnp.arange(r, dtype=jnp.int32), gstate))
@@ -128,12 +131,12 @@ class Qwen35ForCausalLM(nnx.Module):
         ``batch.logits_indices``, and the cache with this step's KV and GDN state."""
         meta = step_meta(batch, num_blocks=cache.num_blocks, block_size=cache.block_size)
         h = self.embed_tokens(batch.tokens)
-        gdef, experts, gstate = _split_experts(self.groups)
+        gdef, whole, gstate = _split_whole(self.groups)
 
         def group_step(carry, xs):
             h, cache = carry
             i, st = xs
-            return nnx.merge(gdef, experts, st)(h, cache, i, meta), None
+            return nnx.merge(gdef, whole, st)(h, cache, i, meta), None
 
         (h, cache), _ = jax.lax.scan(
             group_step, (h, cache),

@@ -14,7 +14,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.attention import paged_attention, write_kv
-from qwen35_jax.layers.mlp import linear
+from qwen35_jax.layers.linear import Linear
 from qwen35_jax.layers.norms import RMSNorm
 from qwen35_jax.layers.rope import apply_partial_rope
 from qwen35_jax.sharding import head_axis, per_device
@@ -25,20 +25,20 @@ class GatedAttention(nnx.Module):
         h, kv, hd, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
         self.heads, self.kv_heads, self.head_dim = h, kv, hd
         self.rotary_dim, self.theta = cfg.rotary_dim, cfg.rope_theta
-        self.q_proj = linear(d, 2 * h * hd, rngs, dtype)
-        self.k_proj = linear(d, kv * hd, rngs, dtype)
-        self.v_proj = linear(d, kv * hd, rngs, dtype)
-        self.o_proj = linear(h * hd, d, rngs, dtype)
+        self.q_proj = Linear(d, 2 * h * hd, rngs=rngs, dtype=dtype)
+        self.k_proj = Linear(d, kv * hd, rngs=rngs, dtype=dtype)
+        self.v_proj = Linear(d, kv * hd, rngs=rngs, dtype=dtype)
+        self.o_proj = Linear(h * hd, d, rngs=rngs, dtype=dtype)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype=dtype)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype=dtype)
 
     def __call__(self, x, kv_cache, layer, meta):
         """x: [T, D] normed hidden; returns ([T, D], kv_cache with this step's K/V stored)."""
         t = x.shape[0]
-        qg = self.q_proj(x).reshape(t, self.heads, 2 * self.head_dim)
+        qg = self.q_proj(x, layer).reshape(t, self.heads, 2 * self.head_dim)
         q, gate = qg[..., :self.head_dim], qg[..., self.head_dim:]
-        k = self.k_proj(x).reshape(t, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(t, self.kv_heads, self.head_dim)
+        k = self.k_proj(x, layer).reshape(t, self.kv_heads, self.head_dim)
+        v = self.v_proj(x, layer).reshape(t, self.kv_heads, self.head_dim)
         rope = dict(rotary_dim=self.rotary_dim, theta=self.theta)
         q = apply_partial_rope(self.q_norm(q), meta.positions, **rope)
         k = apply_partial_rope(self.k_norm(k), meta.positions, **rope)
@@ -55,4 +55,4 @@ class GatedAttention(nnx.Module):
                        heads)(q, kv_cache, layer, meta.block_tables, meta.seq_ids,
                               meta.positions, meta.cu_seqlens)
         o = o.reshape(t, self.heads * self.head_dim) * jax.nn.sigmoid(gate.reshape(t, -1))
-        return self.o_proj(o), kv_cache
+        return self.o_proj(o, layer), kv_cache

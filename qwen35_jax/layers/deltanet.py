@@ -21,7 +21,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels import causal_conv1d_prefill, causal_conv1d_update, gdn_decode, gdn_prefill
-from qwen35_jax.layers.mlp import linear
+from qwen35_jax.layers.linear import Linear
 from qwen35_jax.layers.norms import GatedRMSNorm
 from qwen35_jax.sharding import head_axis, per_device
 
@@ -32,23 +32,23 @@ class GatedDeltaNet(nnx.Module):
         self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         conv_dim, hv = cfg.conv_dim, self.hv
-        self.in_proj_qkv = linear(d, conv_dim, rngs, dtype)
-        self.in_proj_z = linear(d, hv * self.dv, rngs, dtype)
-        self.in_proj_b = linear(d, hv, rngs, dtype)
-        self.in_proj_a = linear(d, hv, rngs, dtype)
+        self.in_proj_qkv = Linear(d, conv_dim, rngs=rngs, dtype=dtype)
+        self.in_proj_z = Linear(d, hv * self.dv, rngs=rngs, dtype=dtype)
+        self.in_proj_b = Linear(d, hv, rngs=rngs, dtype=dtype)
+        self.in_proj_a = Linear(d, hv, rngs=rngs, dtype=dtype)
         self.conv1d = nnx.Param(
             nnx.initializers.normal(0.5)(rngs.params(), (conv_dim, cfg.linear_conv_kernel_dim), dtype))
         # Decay parameters stay float32 whatever the model dtype: g is computed in float32.
         self.A_log = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (hv,), jnp.float32, 1.0, 16.0)))
         self.dt_bias = nnx.Param(jnp.ones((hv,), jnp.float32))
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps, dtype=dtype)
-        self.out_proj = linear(hv * self.dv, d, rngs, dtype)
+        self.out_proj = Linear(hv * self.dv, d, rngs=rngs, dtype=dtype)
 
     def __call__(self, x, conv_pool, ssm_pool, layer, meta):
         """x: [T, D] normed hidden.  conv_pool [P, L, K-1, C] and ssm_pool [P, L, Hv, dk, dv]
         hold every GDN layer's state per slot; ``layer`` (traced) picks this one."""
         t = x.shape[0]
-        mixed = self.in_proj_qkv(x)
+        mixed = self.in_proj_qkv(x, layer)
         w = self.conv1d[...]
         whole = (P(),) * 4
         if meta.is_decode:
@@ -67,9 +67,9 @@ class GatedDeltaNet(nnx.Module):
         q = mixed[:, :qk].reshape(t, self.hk, self.dk)
         k = mixed[:, qk:2 * qk].reshape(t, self.hk, self.dk)
         v = mixed[:, 2 * qk:].reshape(t, self.hv, self.dv)
-        z = self.in_proj_z(x).reshape(t, self.hv, self.dv)
-        beta = jax.nn.sigmoid(self.in_proj_b(x))
-        a = self.in_proj_a(x).astype(jnp.float32)
+        z = self.in_proj_z(x, layer).reshape(t, self.hv, self.dv)
+        beta = jax.nn.sigmoid(self.in_proj_b(x, layer))
+        a = self.in_proj_a(x, layer).astype(jnp.float32)
         g = -jnp.exp(self.A_log[...]) * jax.nn.softplus(a + self.dt_bias[...])
         mesh = jax.sharding.get_abstract_mesh()
         split = head_axis(mesh, self.hv)
@@ -90,7 +90,7 @@ class GatedDeltaNet(nnx.Module):
             o, final = prefill(q, k, v, g, beta, init, meta.cu_seqlens)
             ssm_pool = ssm_pool.at[meta.slots, layer].set(final.astype(ssm_pool.dtype), mode="drop")
         o = self.norm(o, z).reshape(t, self.hv * self.dv)
-        return self.out_proj(o), conv_pool, ssm_pool
+        return self.out_proj(o, layer), conv_pool, ssm_pool
 
 
 def _gdn_prefill(q, k, v, g, beta, init, cu_seqlens):

@@ -6,17 +6,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-
-def linear(din, dout, rngs, dtype):
-    return nnx.Linear(din, dout, use_bias=False, param_dtype=dtype, rngs=rngs)
+from qwen35_jax.layers.linear import Linear
 
 
 class MLP(nnx.Module):
     def __init__(self, hidden: int, inter: int, *, rngs: nnx.Rngs, dtype=jnp.float32):
-        self.gate_proj = linear(hidden, inter, rngs, dtype)
-        self.up_proj = linear(hidden, inter, rngs, dtype)
-        self.down_proj = linear(inter, hidden, rngs, dtype)
+        self.gate_proj = Linear(hidden, inter, rngs=rngs, dtype=dtype)
+        self.up_proj = Linear(hidden, inter, rngs=rngs, dtype=dtype)
+        self.down_proj = Linear(inter, hidden, rngs=rngs, dtype=dtype)
 
     def __call__(self, x, layer=None):
-        """`layer` is unused: the MoE block, which takes the same call, needs it."""
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        """`layer`: the flat layer index when the weights are stacked (``Linear``)."""
+        h = jax.nn.silu(self.gate_proj(x, layer)) * self.up_proj(x, layer)
+        return self.down_proj(h, layer)

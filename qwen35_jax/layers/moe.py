@@ -28,7 +28,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.grouped_matmul import grouped_matmul
-from qwen35_jax.layers.mlp import MLP, linear
+from qwen35_jax.layers.linear import Linear
+from qwen35_jax.layers.mlp import MLP
 from qwen35_jax.sharding import DATA, axis_size, expert_axes
 
 
@@ -37,16 +38,16 @@ class MoE(nnx.Module):
                  *, rngs: nnx.Rngs, dtype=jnp.float32):
         self.num_experts, self.top_k, self.inter = num_experts, top_k, inter
         init = nnx.initializers.normal(0.02)
-        self.router = linear(hidden, num_experts, rngs, dtype)
+        self.router = Linear(hidden, num_experts, rngs=rngs, dtype=dtype)
         # Fused [gate | up] per expert, stored [E, in, out] for x @ w.
         self.experts_gate_up = nnx.Param(init(rngs.params(), (num_experts, hidden, 2 * inter), dtype))
         self.experts_down = nnx.Param(init(rngs.params(), (num_experts, inter, hidden), dtype))
         self.shared_expert = MLP(hidden, shared_inter, rngs=rngs, dtype=dtype)
-        self.shared_expert_gate = linear(hidden, 1, rngs, dtype)
+        self.shared_expert_gate = Linear(hidden, 1, rngs=rngs, dtype=dtype)
 
-    def route(self, x):
+    def route(self, x, layer=None):
         """Top-k experts and their renormalised weights per token: ([T, k] int32, [T, k])."""
-        logits = self.router(x)
+        logits = self.router(x, layer)
         probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
         weights, experts = jax.lax.top_k(probs, self.top_k)
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
@@ -55,7 +56,7 @@ class MoE(nnx.Module):
     def __call__(self, x, layer=None):
         """`layer`: the flat index of this layer in the leading (stacked) dimensions of
         the expert weights; needed only when they are stacked."""
-        experts, weights = self.route(x)
+        experts, weights = self.route(x, layer)
         w_gate_up, w_down = self.experts_gate_up[...], self.experts_down[...]
         if w_down.ndim > 3 and layer is None:
             raise ValueError(f"expert weights stacked as {w_down.shape} need the layer index")
@@ -66,7 +67,8 @@ class MoE(nnx.Module):
             routed = _expert_parallel(mesh, axes, x, experts, weights, w_gate_up, w_down, layer)
         else:
             routed = _local_experts(x, experts, weights, w_gate_up, w_down, 0, layer)
-        shared = jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        shared = (jax.nn.sigmoid(self.shared_expert_gate(x, layer))
+                  * self.shared_expert(x, layer))
         return (routed + shared.astype(jnp.float32)).astype(x.dtype)
 
 

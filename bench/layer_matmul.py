@@ -1,0 +1,105 @@
+"""Stacked-layer matmul on the GPU: check the Pallas kernel, then time it inside a layer
+scan against what the scan did before (slice the layer, then XLA's GEMM).
+
+    python -m bench.layer_matmul [--check-only] [--json FILE]
+
+Check: ``layer_matmul(..., backend="pallas")`` against float32 ``x @ w[layer]`` in float64
+for row counts off a power of two and every dense shape below; ||out - ref|| / ||ref||
+under 1e-2 (bf16 output rounding ~4e-3), every entry finite.
+
+Timing: the 35B-A3B dense shapes (GDN in_proj_qkv / in_proj_z / out_proj, attention
+q_proj / o_proj, shared-expert gate / up / down) at decode row counts, weights stacked
+over LAYERS layers; each variant is a ``lax.scan`` over the layers computing x @ w[i]
+(summed, so nothing is dead), per layer = total / LAYERS: "pallas" reads each layer in
+place, "xla" is the reference path (the layer's slice, materialised by XLA inside the
+loop, then its GEMM). Floor: one read of the layer's weights at the measured read
+bandwidth.
+"""
+
+import argparse
+import json
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+
+from bench.roofline import measure_ceilings
+from bench.timing import seconds_per_call
+from pallas_kernels.layer_matmul import layer_matmul
+
+LAYERS = 30
+SHAPES = {"in_proj_qkv": (2048, 8192), "in_proj_z": (2048, 4096), "out_proj": (4096, 2048),
+          "q_proj": (2048, 8192), "shared_gate": (2048, 512), "shared_down": (512, 2048)}
+ROWS = (16, 64, 128, 256)
+
+
+def check(rng) -> list[dict]:
+    out = []
+    for name, (k, n) in SHAPES.items():
+        for rows in (5, 100, 256):
+            x = jnp.asarray(rng.standard_normal((rows, k)) * 0.5, jnp.bfloat16)
+            w = jnp.asarray(rng.standard_normal((3, k, n)) * 0.05, jnp.bfloat16)
+            ref = np.asarray(x, np.float64) @ np.asarray(w[2], np.float64)
+            got = np.asarray(jax.jit(lambda a, b: layer_matmul(a, b, 2, backend="pallas"))(x, w),
+                             np.float64)
+            err = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+            ok = bool(np.isfinite(got).all() and err < 1e-2)
+            out.append(dict(shape=name, rows=rows, rel_err=err, ok=ok))
+            print(f"check {name:12s} rows {rows:4d}: rel err {err:.2e} {'ok' if ok else 'FAIL'}",
+                  flush=True)
+    return out
+
+
+def _scan(backend):
+    def run(x, w):
+        def body(acc, i):
+            return acc + jnp.sum(layer_matmul(x, w, i, backend=backend), dtype=jnp.float32), None
+        return jax.lax.scan(body, jnp.float32(0), jnp.arange(w.shape[0]))[0]
+    return jax.jit(run)
+
+
+def timings(ceil) -> list[dict]:
+    out = []
+    for name, (k, n) in SHAPES.items():
+        w = jax.random.normal(jax.random.key(1), (LAYERS, k, n), jnp.bfloat16) * 0.05
+        floor = k * n * 2 / ceil["read_bytes_per_s"]
+        for rows in ROWS:
+            x = jax.random.normal(jax.random.key(rows), (rows, k), jnp.bfloat16)
+            row = dict(shape=name, rows=rows, floor_ms=floor * 1e3)
+            for backend in ("pallas", "reference"):
+                row[backend] = seconds_per_call(_scan(backend), x, w) / LAYERS * 1e3
+            out.append(row)
+            print(f"{name:12s} rows {rows:4d}  pallas {row['pallas']:.4f} ms  xla (slice + "
+                  f"GEMM) {row['reference']:.4f} ms  floor {floor * 1e3:.4f} ms  "
+                  f"({floor * 1e3 / row['pallas']:.0%} of floor)", flush=True)
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", default=None)
+    p.add_argument("--check-only", action="store_true")
+    a = p.parse_args(argv)
+    result = {"device": jax.devices()[0].device_kind,
+              "checks": check(np.random.default_rng(0))}
+    if not a.check_only:
+        result["ceilings"] = ceil = measure_ceilings(2 << 30, 8192)
+        print(f"read {ceil['read_bytes_per_s'] / 1e12:.2f} TB/s", flush=True)
+        result["timings"] = timings(ceil)
+        print("\n| shape | K -> N | rows | pallas ms | xla (slice + GEMM) ms | floor ms |")
+        print("|---|---|---|---|---|---|")
+        for r in result["timings"]:
+            k, n = SHAPES[r["shape"]]
+            print(f"| {r['shape']} | {k} -> {n} | {r['rows']} | {r['pallas']:.4f} | "
+                  f"{r['reference']:.4f} | {r['floor_ms']:.4f} |")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=2)
+    if not all(c["ok"] for c in result["checks"]):
+        raise SystemExit("layer matmul check FAILED")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""``x @ w[layer]`` with w stacked over layers ([L, K, N]).
+
+Backends:
+  "auto"      -> on sm90 / sm100, for at most ``tuning.LAYER_MATMUL`` "max_rows" rows
+                 (decode batches) and shapes the tiles fit, outside a mesh: the Pallas
+                 kernel, which reads the layer in place; the reference otherwise
+                 (prefill: cuBLAS beats a weight-streaming kernel there and the slice
+                 is a small share; sharded programs: XLA partitions the dot).
+  "reference" -> slice, then ``jnp.dot`` (reference.py).
+  "pallas"    -> the Pallas Triton kernel compiled for the GPU (pallas_triton.py).
+  "interpret" -> the same kernel body in interpret mode (any platform).
+"""
+from __future__ import annotations
+
+import jax
+
+from ..tuning import _family, gpu_arch, layer_matmul_config
+from .pallas_triton import layer_matmul_pallas, tiles_fit
+from .reference import layer_matmul_reference
+
+BACKENDS = ("auto", "reference", "pallas", "interpret")
+
+
+def resolve(backend: str, x, w) -> str:
+    """The backend "auto" means for these operands, here."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; one of {BACKENDS}")
+    if backend != "auto":
+        return backend
+    if _family(gpu_arch()) == "default" or not jax.sharding.get_abstract_mesh().empty:
+        return "reference"
+    cfg = layer_matmul_config()
+    return "pallas" if x.shape[0] <= cfg["max_rows"] and tiles_fit(x, w, cfg) else "reference"
+
+
+def layer_matmul(x, w, layer, *, backend: str = "auto"):
+    """x [M, K] @ w[layer] for w [L, K, N] and a traced or static layer index."""
+    chosen = resolve(backend, x, w)
+    if chosen == "reference":
+        return layer_matmul_reference(x, w, layer)
+    return layer_matmul_pallas(x, w, layer, interpret=chosen == "interpret")
