@@ -1,7 +1,7 @@
 """Stacked-layer matmul on the GPU: check the Pallas kernel, then time it inside a layer
 scan against what the scan did before (slice the layer, then XLA's GEMM).
 
-    python -m bench.layer_matmul [--check-only] [--json FILE]
+    python -m bench.layer_matmul [--check-only] [--sweep] [--json FILE]
 
 Check: ``layer_matmul(..., backend="pallas")`` against float32 ``x @ w[layer]`` in float64
 for row counts off a power of two and every dense shape below; ||out - ref|| / ||ref||
@@ -11,9 +11,9 @@ Timing: the 35B-A3B dense shapes (GDN in_proj_qkv / in_proj_z / out_proj, attent
 q_proj / o_proj, shared-expert gate / up / down) at decode row counts, weights stacked
 over LAYERS layers; each variant is a ``lax.scan`` over the layers computing x @ w[i]
 (summed, so nothing is dead), per layer = total / LAYERS: "pallas" reads each layer in
-place, "xla" is the reference path (the layer's slice, materialised by XLA inside the
-loop, then its GEMM). Floor: one read of the layer's weights at the measured read
-bandwidth.
+place, "reference" slices it (XLA materialises the slice inside the loop) and runs XLA's
+GEMM; ``--sweep`` adds the Pallas kernel with each tile setting of SWEEP. Floor: one
+read of the layer's weights at the measured read bandwidth.
 """
 
 import argparse
@@ -26,12 +26,16 @@ import jax.numpy as jnp
 
 from bench.roofline import measure_ceilings
 from bench.timing import seconds_per_call
-from pallas_kernels.layer_matmul import layer_matmul
+from pallas_kernels.layer_matmul import layer_matmul, layer_matmul_pallas
 
 LAYERS = 30
 SHAPES = {"in_proj_qkv": (2048, 8192), "in_proj_z": (2048, 4096), "out_proj": (4096, 2048),
           "q_proj": (2048, 8192), "shared_gate": (2048, 512), "shared_down": (512, 2048)}
 ROWS = (16, 64, 128, 256)
+SWEEP = [dict(bn=bn, bk=bk, stages=st, warps=w, min_programs=p, max_rows=256)
+         for bn, bk, st, w, p in ((64, 64, 3, 4, 132), (128, 64, 3, 4, 132), (64, 128, 3, 4, 132),
+                                  (32, 128, 4, 4, 132), (64, 64, 4, 4, 264), (64, 64, 3, 8, 132),
+                                  (128, 128, 3, 8, 264))]
 
 
 def check(rng) -> list[dict]:
@@ -51,15 +55,25 @@ def check(rng) -> list[dict]:
     return out
 
 
-def _scan(backend):
+def _scan(matmul):
+    """A jitted scan over the stack's layers of ``matmul(x, w, i)``, summed."""
     def run(x, w):
         def body(acc, i):
-            return acc + jnp.sum(layer_matmul(x, w, i, backend=backend), dtype=jnp.float32), None
+            return acc + jnp.sum(matmul(x, w, i), dtype=jnp.float32), None
         return jax.lax.scan(body, jnp.float32(0), jnp.arange(w.shape[0]))[0]
     return jax.jit(run)
 
 
-def timings(ceil) -> list[dict]:
+def _variants(sweep):
+    """(name, matmul) timed per shape: both backends, then the tiles of SWEEP."""
+    yield "pallas", lambda x, w, i: layer_matmul(x, w, i, backend="pallas")
+    yield "reference", lambda x, w, i: layer_matmul(x, w, i, backend="reference")
+    for cfg in (SWEEP if sweep else ()):
+        name = "bn{bn} bk{bk} st{stages} w{warps} p{min_programs}".format(**cfg)
+        yield name, lambda x, w, i, cfg=cfg: layer_matmul_pallas(x, w, i, config=cfg)
+
+
+def timings(ceil, sweep=False) -> list[dict]:
     out = []
     for name, (k, n) in SHAPES.items():
         w = jax.random.normal(jax.random.key(1), (LAYERS, k, n), jnp.bfloat16) * 0.05
@@ -67,8 +81,11 @@ def timings(ceil) -> list[dict]:
         for rows in ROWS:
             x = jax.random.normal(jax.random.key(rows), (rows, k), jnp.bfloat16)
             row = dict(shape=name, rows=rows, floor_ms=floor * 1e3)
-            for backend in ("pallas", "reference"):
-                row[backend] = seconds_per_call(_scan(backend), x, w) / LAYERS * 1e3
+            for variant, matmul in _variants(sweep):
+                row[variant] = seconds_per_call(_scan(matmul), x, w) / LAYERS * 1e3
+            if sweep:
+                print(f"{name:12s} rows {rows:4d} sweep: " + ", ".join(
+                    f"{v} {row[v]:.4f}" for v in row if v.startswith("bn")), flush=True)
             out.append(row)
             print(f"{name:12s} rows {rows:4d}  pallas {row['pallas']:.4f} ms  xla (slice + "
                   f"GEMM) {row['reference']:.4f} ms  floor {floor * 1e3:.4f} ms  "
@@ -81,13 +98,14 @@ def main(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", default=None)
     p.add_argument("--check-only", action="store_true")
+    p.add_argument("--sweep", action="store_true", help="also time the tiles of SWEEP")
     a = p.parse_args(argv)
     result = {"device": jax.devices()[0].device_kind,
               "checks": check(np.random.default_rng(0))}
     if not a.check_only:
         result["ceilings"] = ceil = measure_ceilings(2 << 30, 8192)
         print(f"read {ceil['read_bytes_per_s'] / 1e12:.2f} TB/s", flush=True)
-        result["timings"] = timings(ceil)
+        result["timings"] = timings(ceil, a.sweep)
         print("\n| shape | K -> N | rows | pallas ms | xla (slice + GEMM) ms | floor ms |")
         print("|---|---|---|---|---|---|")
         for r in result["timings"]:
