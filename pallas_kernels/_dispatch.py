@@ -14,7 +14,8 @@ backend:
 called with "auto" (the model's layers never pass a backend) run the Pallas
 bodies in interpret mode, which is how the CPU tests run a whole sharded model on
 the kernels.  It is a JAX user context, so a jitted function traced under another
-value retraces.  (The MoE grouped matmul chooses its backends on its own.)
+value retraces.  (The MoE grouped matmul and the stacked-layer matmul choose their
+backends on their own.)
 """
 from __future__ import annotations
 

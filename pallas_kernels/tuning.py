@@ -79,9 +79,10 @@ _GMM_MID = dict(bm=64, bn=128, bk=64, warps=4, stages=3)
 GROUPED_MATMUL = {
     # H200 (bench/RESULTS.md, issue 8): 16-row tiles within 10 % of the best of 8 tiles
     # up to 2048 rows (256 sequences x top-8), 0.30 against Mosaic's 0.37 ms (2048 ->
-    # 1024) at 2048 rows; 64-row tiles from 4096 rows; Mosaic from 16384 rows (2026-12-01,
-    # both reading the layer stack in place: 0.42 against 0.54 ms for 2048 -> 1024, 0.31
-    # against 0.30 for 512 -> 2048; at 65536 rows 0.77 against 1.72 and 0.62 against 0.92)
+    # 1024) at 2048 rows; 64-row tiles from 4096 rows; Mosaic above 8192 rows (measured
+    # at 16384 rows, 2026-12-01, both reading the layer stack in place: 0.42 against
+    # 0.54 ms for 2048 -> 1024, 0.31 against 0.30 for 512 -> 2048; at 65536 rows 0.77
+    # against 1.72 and 0.62 against 0.92)
     "sm90": dict(tiles=((2048, _GMM_DECODE), (None, _GMM_MID)), mgpu_above=8192),
     # Blackwell: not measured yet; the Hopper entry without the wgmma kernel
     "sm100": dict(tiles=((2048, _GMM_DECODE), (None, _GMM_MID)), mgpu_above=None),
@@ -97,7 +98,9 @@ GROUPED_MATMUL = {
 # 256 x 64 float32 is 128 registers a thread at 4 warps).
 _LAYER_MM_GPU = dict(bn=64, bk=64, warps=4, stages=3, min_programs=132, max_rows=256)
 LAYER_MATMUL = {
-    # H200: first setting, from the grouped matmul's decode tiles; to be swept
+    # H200 2026-12-01 (bench/RESULTS.md, issue 8): none of 6 other tiles better by more
+    # than 8 % (in_proj_qkv, 16 to 128 rows). At 256 rows the small shared-expert
+    # shapes run faster sliced (0.014 against 0.017 ms); the large ones in place.
     "sm90": dict(_LAYER_MM_GPU),
     "sm100": dict(_LAYER_MM_GPU),
     # CPU interpret mode: small tiles so the tests walk several column tiles and splits

@@ -100,12 +100,46 @@ def test_padding_to_row_tiles_returns_every_row(rows):
     tiles; every returned row is written and right, padding rows are cut off."""
     rng = np.random.default_rng(rows)
     x, w, sizes = _case(rng, rows, 8, 128, 128, empty=(1, 5))
+    w = np.concatenate([rng.standard_normal(w.shape).astype(np.float32), w])  # 2 layers
     tiles = dict(block_m=64, block_n=128, block_k=64, max_concurrent_steps=4)
     out = np.asarray(padded_call(_stand_in, jnp.asarray(x), jnp.asarray(w),
-                                 jnp.asarray(sizes), 0, tiles))
+                                 jnp.asarray(sizes), 8, tiles))
     assert out.shape == (rows, 128) and np.isfinite(out).all()
-    ref = _oracle(x, w, sizes)
+    ref = _oracle(x, w, sizes, 8)
     assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-5
+
+
+def test_expert_combine_masks_foreign_copies(monkeypatch):
+    """Expert-parallel shard holding experts 2..3 of 4: the grouped matmuls leave the
+    rows of copies routed elsewhere unwritten (NaN here, as the GPU kernels leave them);
+    the combine must drop them, not multiply them by zero."""
+    from qwen35_jax.layers import moe
+
+    def leaves_foreign_rows_nan(x, w, group_sizes, *, group_offset=0):
+        out = grouped_matmul_reference(x, w, group_sizes, group_offset)
+        return jnp.where(jnp.arange(x.shape[0])[:, None] < jnp.sum(group_sizes), out, jnp.nan)
+
+    monkeypatch.setattr(moe, "grouped_matmul", leaves_foreign_rows_nan)
+    rng = np.random.default_rng(7)
+    t, d, inter, k = 6, 8, 4, 2
+    x = rng.standard_normal((t, d)).astype(np.float32)
+    experts = np.array([[0, 2], [3, 1], [2, 3], [1, 0], [3, 2], [0, 1]], np.int32)
+    weights = rng.random((t, k)).astype(np.float32)
+    w_gate_up = rng.standard_normal((2, d, 2 * inter)).astype(np.float32)  # experts 2, 3
+    w_down = rng.standard_normal((2, inter, d)).astype(np.float32)
+    out = np.asarray(moe._local_experts(jnp.asarray(x), jnp.asarray(experts),
+                                        jnp.asarray(weights), jnp.asarray(w_gate_up),
+                                        jnp.asarray(w_down), 2, 0))
+    ref = np.zeros((t, d))
+    for i in range(t):
+        for j in range(k):
+            if experts[i, j] >= 2:
+                e = experts[i, j] - 2
+                h = x[i].astype(np.float64) @ w_gate_up[e]
+                act = h[:inter] / (1 + np.exp(-h[:inter])) * h[inter:]
+                ref[i] += weights[i, j] * (act @ w_down[e])
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-5)
 
 
 def test_tiles_follow_the_operands():

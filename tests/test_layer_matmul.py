@@ -26,10 +26,12 @@ def _rel(out, ref):
 
 
 @pytest.mark.parametrize("dtype,bound", [(jnp.float32, 1e-6), (jnp.bfloat16, 1e-2)])
-@pytest.mark.parametrize("m,k,n", [(1, 32, 48), (16, 64, 16), (37, 128, 64), (130, 32, 32)])
+@pytest.mark.parametrize("m,k,n", [(1, 32, 48), (16, 64, 16), (37, 128, 64), (130, 32, 32),
+                                   (8, 32, 128)])
 def test_kernel_reads_each_layer_of_the_stack(m, k, n, dtype, bound):
     """Every layer of a 3-layer stack, row counts below / off / above a power of two
-    (the wrapper pads), narrow outputs that split K over programs."""
+    (the wrapper pads), narrow outputs that split K over programs and a wide one that
+    does not (8 column tiles: one split)."""
     rng = np.random.default_rng(m * n)
     x = jnp.asarray(rng.standard_normal((m, k)), dtype)
     w = jnp.asarray(rng.standard_normal((3, k, n)), dtype)
@@ -60,11 +62,24 @@ def test_tiles_that_do_not_fit_are_refused():
         layer_matmul(x, jnp.zeros((2, 30, 16), jnp.float32), 0, backend="triton")
 
 
-def test_auto_is_the_reference_on_cpu():
-    x, w = jnp.zeros((4, 32)), jnp.zeros((2, 32, 16))
+def test_auto_choice(monkeypatch):
+    """On an sm90 GPU "auto" reads in place at decode sizes, slices for prefill sizes
+    and inside a mesh (where XLA partitions the dot); on CPU it is the reference."""
+    x, w = jnp.zeros((4, 128), jnp.bfloat16), jnp.zeros((2, 128, 256), jnp.bfloat16)
     if jax.default_backend() == "cpu":
         assert resolve("auto", x, w) == "reference"
     assert resolve("interpret", x, w) == "interpret"
+    from pallas_kernels import tuning
+    from pallas_kernels.layer_matmul import ops
+
+    monkeypatch.setattr(ops, "gpu_arch", lambda: "sm90")
+    monkeypatch.setattr(tuning, "gpu_arch", lambda: "sm90")
+    assert resolve("auto", x, w) == "pallas"
+    assert resolve("auto", jnp.zeros((512, 128), jnp.bfloat16), w) == "reference"
+    assert resolve("auto", x.astype(jnp.float32), w) == "reference"  # dtypes differ
+    mesh = jax.make_mesh((1,), ("tensor",))
+    with jax.set_mesh(mesh):
+        assert resolve("auto", x, w) == "reference"
 
 
 def test_linear_with_a_stacked_kernel(monkeypatch):

@@ -4,9 +4,9 @@ Backends:
   "auto"      -> on sm90 / sm100: the Pallas Triton kernel up to the routed-row count
                  the tuning table gives (decode and short prefill: it skips experts
                  without rows and reads a layer's experts in place from a stack of
-                 layers), the Mosaic GPU kernel above it (long prefill: wgmma + TMA,
-                 also reading the stack in place), each where the shapes fit it; the reference elsewhere (CPU) or where
-                 neither fits.
+                 layers), the Mosaic GPU kernel above it on sm90 (long prefill: wgmma
+                 + TMA, also reading the stack in place), each where the shapes fit
+                 it; the reference elsewhere (CPU) or where neither fits.
   "reference" -> ``jax.lax.ragged_dot`` (reference.py).
   "mgpu"      -> the Mosaic GPU kernel (mgpu.py; sm90).
   "pallas"    -> the Pallas Triton kernel compiled for the GPU (pallas_triton.py).
@@ -45,7 +45,7 @@ def grouped_matmul(x, w, group_sizes, *, group_offset=0, backend: str = "auto"):
         if backend != "auto" or tiles_fit(x, w, grouped_matmul_config(x.shape[0])):
             return grouped_matmul_pallas(x, w, group_sizes, group_offset,
                                          interpret=chosen == "interpret")
-        chosen = "mgpu"
+        chosen = "mgpu" if _family(gpu_arch()) == "sm90" else "reference"  # wgmma: sm90
     if chosen == "mgpu":
         tiles = mgpu_tiles(x, w)
         if tiles is not None:
