@@ -15,7 +15,8 @@ from __future__ import annotations
 import jax
 
 from ..tuning import _family, gpu_arch, layer_matmul_config
-from .pallas_triton import layer_matmul_pallas, tiles_fit
+from ..grouped_matmul.pallas_triton import tiles_fit
+from .pallas_triton import layer_matmul_pallas
 from .reference import layer_matmul_reference
 
 BACKENDS = ("auto", "reference", "pallas", "interpret")

@@ -20,6 +20,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from ..grouped_matmul.pallas_triton import tiles_fit  # same rule: one dtype, whole bk x bn
+
 
 def _kernel(layer_ref, x_ref, w_ref, o_ref, *, bn, bk, k_split):
     n0 = pl.program_id(0) * bn
@@ -44,12 +46,6 @@ def splits_for(n: int, k: int, cfg: dict) -> int:
     while (n // cfg["bn"]) * splits < cfg["min_programs"] and k % (2 * splits * cfg["bk"]) == 0:
         splits *= 2
     return splits
-
-
-def tiles_fit(x, w, cfg) -> bool:
-    """One dtype for x and w, N in whole bn tiles, K in whole bk steps."""
-    _, k, n = w.shape
-    return x.dtype == w.dtype and n % cfg["bn"] == 0 and k % cfg["bk"] == 0
 
 
 def layer_matmul_pallas(x, w, layer, *, interpret=False, config=None):
