@@ -2,7 +2,7 @@
 the paged-attention part (bench/attention_kernels.py, ``--parts attention``) shares.
 
     python -m bench.kernels [--quick] [--parts check,prefill,decode,conv,attention]
-                            [--variants] [--no-fla] [--out DIR]
+                            [--variants] [--prefill-configs JSON] [--no-fla] [--out DIR]
 
 Order: environment, ceilings (copy bandwidth, bf16 matmul, measured here),
 float64-oracle checks of every Pallas kernel on the GPU, then for each shape
@@ -75,7 +75,10 @@ def time_jax(call, reps=30, min_sample_s=2e-3):
 
 
 def time_torch(fn):
+    """Median of do_bench's second pass: the first shapes' first passes read 1.4-2x
+    slow in earlier runs (bench/RESULTS.md, run 2)."""
     import triton
+    triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
     return triton.testing.do_bench(fn, warmup=25, rep=300, return_mode="median")
 
 
@@ -111,10 +114,14 @@ def ceilings(quick):
 
 
 # ----------------------------------------------------------------------------
-def _rand_gdn(key, T, Hk, Hv, dk, dv, dtype):
-    ks = jax.random.split(key, 5)
+def _rand_gdn(key, T, Hk, Hv, dk, dv, dtype, shared=0.0):
+    """Random GDN inputs. shared > 0 adds a direction common to all keys of a head:
+    correlated keys make A = beta K K^T large, the case where an unstable inverse
+    fails (independent 128-d keys are nearly orthogonal)."""
+    ks = jax.random.split(key, 6)
     q = jax.random.normal(ks[0], (1, T, Hk, dk), jnp.float32).astype(dtype)
-    k = jax.random.normal(ks[1], (1, T, Hk, dk), jnp.float32).astype(dtype)
+    k = (jax.random.normal(ks[1], (1, T, Hk, dk), jnp.float32)
+         + shared * jax.random.normal(ks[5], (1, 1, Hk, dk), jnp.float32)).astype(dtype)
     v = jax.random.normal(ks[2], (1, T, Hv, dv), jnp.float32).astype(dtype)
     g = jnp.log(jax.random.uniform(ks[3], (1, T, Hv), jnp.float32, 0.85, 0.999))
     beta = jax.random.uniform(ks[4], (1, T, Hv), jnp.float32, 0.05, 1.0)
@@ -132,8 +139,13 @@ def check(name, err, tol):
     return ok
 
 
-PREFILL_CHECK_CFGS = [None, dict(inverse="block32", mode="M"), dict(inverse="block32", mode="wu"),
-                      dict(inverse="subst", mode="M")]
+# prefill configs checked on the GPU, and (with --variants) timed at the first shape;
+# --prefill-configs replaces the list
+_TRITON = dict(main="triton")
+PREFILL_CFGS = [None, dict(_TRITON, inverse="block32", mode="M"),
+                dict(_TRITON, inverse="block32", mode="wu"),
+                dict(_TRITON, inverse="subst", mode="M"), dict(_TRITON, inverse="doubling", mode="M"),
+                dict(main="mgpu")]
 
 
 def _cfgs(cfg):
@@ -149,19 +161,23 @@ def small_checks():
     T = sum(lens) + pad
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     for dtype, tol in ((jnp.float32, 1e-4), (jnp.bfloat16, 1e-2)):
-      for pcfg in PREFILL_CHECK_CFGS:
-        for Hk, Hv, dk, dv in (((2, 4, 32, 32),) if TINY else ((2, 8, 128, 128), (4, 4, 64, 128))):
+      for pcfg in PREFILL_CFGS:
+        for Hk, Hv, dk, dv, shared in (((2, 4, 32, 32, 0.0),) if TINY else (
+                (2, 8, 128, 128, 0.0), (4, 4, 64, 128, 0.0), (2, 8, 128, 128, 3.0))):
             key, k1, k2 = jax.random.split(key, 3)
-            q, k, v, g, beta = _rand_gdn(k1, T, Hk, Hv, dk, dv, dtype)
+            q, k, v, g, beta = _rand_gdn(k1, T, Hk, Hv, dk, dv, dtype, shared)
+            # the shared-key case starts from zeros (initial_state None)
             init = jax.random.normal(k2, (len(lens), Hv, dk, dv), jnp.float32) * 0.3
+            init = init * 0.0 if shared else init
             try:
                 o, fin = jax.jit(lambda c, *a: gdn_prefill(
-                    *a, initial_state=init, cu_seqlens=c, use_qk_l2norm=True,
+                    *a, initial_state=None if shared else init, cu_seqlens=c, use_qk_l2norm=True,
                     backend=BACKEND, config=pcfg))(jnp.asarray(cu), q, k, v, g, beta)
                 o_ref, f_ref = oracle.gdn_prefill_oracle(
                     _f64(q[0]), _f64(k[0]), _f64(v[0]), _f64(g[0]), _f64(beta[0]), cu,
                     _f64(init), dk ** -0.5, True)
-                tag = f"prefill {jnp.dtype(dtype).name} Hk{Hk} Hv{Hv} dk{dk} {_cfgs(pcfg)}"
+                tag = (f"prefill {jnp.dtype(dtype).name} Hk{Hk} Hv{Hv} dk{dk}"
+                       f"{' shared-key ' + str(shared) if shared else ''} {_cfgs(pcfg)}")
                 check(tag + " o", oracle.rel_err(_f64(o[0]), o_ref), tol)
                 check(tag + " state", oracle.rel_err(_f64(fin), f_ref), tol)
                 check(tag + " pad==0", float(np.abs(_f64(o[0, cu[-1]:])).max()), 0.0)
@@ -308,13 +324,7 @@ def prefill_bench(quick, variants, use_fla):
         nbytes = T * (2 * Hk * dk * 2 + 2 * Hv * dv * 2 + 2 * Hv * 4) + len(lens) * Hv * dk * dv * 4
         cfgs = [None]
         if variants and si == 0:
-            B32, WU = dict(inverse="block32"), dict(inverse="block32", mode="wu")
-            cfgs = [None,
-                    B32, dict(B32, bv=32), dict(B32, main_warps=8), dict(B32, intra_warps=8),
-                    dict(B32, bv=16, main_warps=2),
-                    WU, dict(WU, bv=32), dict(WU, main_warps=8), dict(WU, bv=128, main_warps=8),
-                    dict(WU, main_stages=3), dict(WU, bv=32, main_warps=2),
-                    dict(WU, main_stages=1)]
+            cfgs = PREFILL_CFGS
         if best_cfg is not None:
             cfgs = [best_cfg]
         ours_best = None
@@ -327,7 +337,7 @@ def prefill_bench(quick, variants, use_fla):
                 row("prefill", shape, label, ms, T, Hv, nbytes, extra=dict(spread=spread, cfg=cfg))
                 if ours_best is None or ms < ours_best[0]:
                     ours_best = (ms, cfg, f)
-                if variants and si == 0 and (cfg is None or cfg in (B32, WU)):
+                if variants and si == 0:
                     fi = jax.jit(lambda c, *a, _cfg=cfg: gdn_prefill_pallas(
                         *a, cu_seqlens=c, use_qk_l2norm=True, _only_intra=True,
                         interpret=(BACKEND == "interpret"), config=_cfg))
@@ -542,13 +552,17 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--parts", default="check,prefill,decode,conv")
     ap.add_argument("--variants", action="store_true")
+    ap.add_argument("--prefill-configs", type=json.loads, default=None,
+                    help='JSON list of prefill configs to check and time (null = default)')
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--backend", default="pallas", help="interpret: CPU dry run")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU dry run)")
     a = ap.parse_args(argv)
-    global BACKEND, TINY
+    global BACKEND, TINY, PREFILL_CFGS
     BACKEND, TINY = a.backend, a.tiny
+    if a.prefill_configs is not None:
+        PREFILL_CFGS = a.prefill_configs
     OUTDIR = a.out
     os.makedirs(OUTDIR, exist_ok=True)
     parts = a.parts.split(",")

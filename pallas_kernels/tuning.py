@@ -14,20 +14,26 @@ import jax.numpy as jnp
 
 # GDN chunked prefill: bv = V tile of the state kept per program (state tile
 # [dk, bv] fp32), warps / stages for the intra-chunk and main kernels.
-# inverse: "subst" (row forward substitution, fp32), "neumann" (product form
-# (I+N)(I+N^2)...(I+N^32) on 64x64) or "block32" (product form on two 32x32
-# diagonal blocks + one merge); the products run in tf32 for 16-bit inputs and
-# IEEE fp32 for float32 inputs.
+# inverse: "subst" (row forward substitution, fp32), "doubling" (recursive doubling
+# of the diagonal blocks on 64x64) or "block32" (doubling on two 32x32 diagonal blocks
+# + one merge); the products run in tf32 for 16-bit inputs and IEEE fp32 for float32
+# inputs.
 # mode: "M" (the intra launch writes M = T diag(beta), the main launch forms
 # v_new = M (V - e^gamma K S)) or "wu" (intra writes w = M (e^gamma K) and
 # u = M V in the input dtype, main forms v_new = u - w S; block32 only).
 # m_dtype: storage of M for 16-bit inputs (float32 inputs keep float32).
+# main: "triton" (the Pallas Triton launches above) or "mgpu" (gdn/mgpu.py: Mosaic GPU
+# intra and sequential launches, wgmma + TMA, sm90, 16-bit inputs; bv_mgpu its V tile,
+# 128 bytes of the input dtype).
 _PREFILL_BASE = dict(bv=32, intra_warps=4, intra_stages=2, main_warps=4, main_stages=2,
-                     inverse="block32", mode="wu", m_dtype="bfloat16")
+                     inverse="block32", mode="wu", m_dtype="bfloat16", main="triton",
+                     bv_mgpu=64)
 GDN_PREFILL = {
-    # H200 2026-11-30 (bench/RESULTS.md, run 2): block32 + wu + bv 32 fastest of 14
-    "sm90": dict(_PREFILL_BASE),
-    # Blackwell: not measured yet; starts from the Hopper entry
+    # H200 2026-12-01 (bench/RESULTS.md, prefill run 5): the Mosaic GPU pair 1.20 ms
+    # against 1.69 ms for the best Triton pair (block32 + wu + bv 32, best of 14 on
+    # 2026-11-30) at 1x8192 Hk16 Hv64; the Triton keys stay for float32 inputs
+    "sm90": dict(_PREFILL_BASE, main="mgpu"),
+    # Blackwell: not measured yet; the Hopper entry without the wgmma kernels
     "sm100": dict(_PREFILL_BASE),
     "default": dict(_PREFILL_BASE),
 }

@@ -10,9 +10,9 @@ Prefill is two launches (variants chosen by ``tuning.GDN_PREFILL``):
 1. intra launch, grid (chunk, value head), fully parallel over the chunk
    table: chunk-local cumulative gate gamma, the strictly lower matrix
    A_ij = beta_i k_i.k_j exp(gamma_i - gamma_j) (i > j) and T = (I + A)^-1,
-   by row forward substitution (inverse="subst"), by the product form
-   (I+N)(I+N^2)...(I+N^32), N = -A (inverse="neumann"), or by that product
-   form on two 32x32 diagonal blocks plus T_ba = -T_bb A_ba T_aa
+   by row forward substitution (inverse="subst"), by recursive doubling of its
+   diagonal blocks (inverse="doubling", ``_doubling_inverse``), or by that
+   doubling on two 32x32 diagonal blocks plus T_ba = -T_bb A_ba T_aa
    (inverse="block32", ``_intra32_kernel``); products in tf32 for 16-bit
    inputs, IEEE fp32 for float32 inputs.  It writes M = T diag(beta)
    (mode="M") or w = M (e^gamma K) and u = M V (mode="wu").
@@ -92,25 +92,31 @@ def _inv_prec(mm_dtype):
     return _HI if mm_dtype == jnp.float32 else lax.Precision.DEFAULT
 
 
-def _neumann_inverse(A, eye, levels, prec):
-    """(I + A)^-1 for strictly lower A of size 2**levels: with N = -A nilpotent,
-    (I + A)^-1 = (I+N)(I+N^2)(I+N^4)...(I+N^(2**(levels-1)))."""
+def _doubling_inverse(A, ri, ci, prec):
+    """(I + A)^-1 for strictly lower A [n, n] (n a power of two) by recursive doubling
+    of the diagonal blocks: D_s = T's block-diagonal part in s-row blocks, B_s = A's
+    part below the diagonal inside each 2s block, D_2s = D_s - D_s B_s D_s (T_ba =
+    -T_bb A_ba T_aa). Its products have moderate entries. The product form
+    (I+N)(I+N^2)(I+N^4)..., N = -A, which this replaces, builds powers of A with
+    entries ~1e7 for keys sharing a direction and loses every digit to cancellation
+    (bench/RESULTS.md). The Mosaic GPU intra kernel (gdn/mgpu.py) runs the same
+    recursion."""
     dn = (((1,), (0,)), ((), ()))
     mm = lambda a, b: lax.dot_general(a, b, dn, precision=prec,
                                       preferred_element_type=jnp.float32)
-    Nm = -A
-    T = eye + Nm
-    P = Nm
-    for _ in range(levels - 1):
-        P = mm(P, P)
-        T = T + mm(T, P)
-    return T
+    D = jnp.where(ri == ci, 1.0, 0.0) - jnp.where(ri // 2 == ci // 2, A, 0.0)
+    blk = 2
+    while blk < A.shape[0]:
+        B = jnp.where((ri // (2 * blk) == ci // (2 * blk)) & (ri // blk != ci // blk), A, 0.0)
+        D = D - mm(D, mm(B, D))
+        blk *= 2
+    return D
 
 
 def _intra32_kernel(start_ref, len_ref, k_ref, v_ref, g_ref, b_ref, *out_refs,
                     ratio, use_l2, mm_dtype, mode):
     """Intra-chunk part with the 64x64 inverse split in two 32-row blocks:
-    T_aa, T_bb by the product form on 32x32 (4 squarings each), then
+    T_aa, T_bb by recursive doubling on 32x32 (``_doubling_inverse``), then
     T_ba = -T_bb A_ba T_aa.  mode "M": writes M = T diag(beta) [64,64];
     mode "wu": writes w = M (e^gamma * K) [64,dk] and u = M V [64,dv]."""
     c = pl.program_id(0)
@@ -140,7 +146,6 @@ def _intra32_kernel(start_ref, len_ref, k_ref, v_ref, g_ref, b_ref, *out_refs,
     ri = lax.broadcasted_iota(jnp.int32, (H, H), 0)
     ci = lax.broadcasted_iota(jnp.int32, (H, H), 1)
     strict = ri > ci
-    eye = jnp.where(ri == ci, 1.0, 0.0).astype(jnp.float32)
 
     def diag_block(k, gam, b):
         kk = _mm(k, k, tb=True, mm_dtype=mm_dtype)
@@ -152,8 +157,8 @@ def _intra32_kernel(start_ref, len_ref, k_ref, v_ref, g_ref, b_ref, *out_refs,
     A_ba = _mm(kb, ka, tb=True, mm_dtype=mm_dtype) * jnp.exp(
         gam_b[:, None] - gam_a[None, :]) * bb[:, None]
     prec = _inv_prec(mm_dtype)
-    T_aa = _neumann_inverse(A_aa, eye, 5, prec)
-    T_bb = _neumann_inverse(A_bb, eye, 5, prec)
+    T_aa = _doubling_inverse(A_aa, ri, ci, prec)
+    T_bb = _doubling_inverse(A_bb, ri, ci, prec)
     dn = (((1,), (0,)), ((), ()))
     mmp = lambda a, b: lax.dot_general(a, b, dn, precision=prec,
                                        preferred_element_type=jnp.float32)
@@ -223,9 +228,10 @@ def _intra_kernel(start_ref, len_ref, k_ref, g_ref, b_ref, m_ref, gam_ref, *,
             return jnp.where(ri == i, new[None, :], T)
 
         T = lax.fori_loop(1, L, body, eye)
+    elif inverse == "doubling":
+        T = _doubling_inverse(A, ri, ci, _inv_prec(mm_dtype))
     else:
-        # N = -A is nilpotent (N^64 = 0): (I + A)^-1 = (I+N)(I+N^2)(I+N^4)...(I+N^32)
-        T = _neumann_inverse(A, eye, 6, _inv_prec(mm_dtype))
+        raise ValueError(f"unknown inverse {inverse!r}")
     m_ref[c, h, :, :] = (T * beta[None, :]).astype(m_ref.dtype)
     gam_ref[c, h, :] = gam
 
@@ -332,13 +338,25 @@ def gdn_prefill_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
         bv = dv
     cu, N = normalize_cu_seqlens(B, T, cu_seqlens)
     TT = B * T
-    tab = chunk_table(cu, TT, CHUNK)
-    C = tab["c_max"]
     qf = q.reshape(TT, Hk, dk)
     kf = k.reshape(TT, Hk, dk)
     vf = v.reshape(TT, Hv, dv)
     gf = g.reshape(TT, Hv).astype(jnp.float32)
     bf = beta.reshape(TT, Hv).astype(jnp.float32)
+    # The Mosaic GPU kernels (gdn/mgpu.py) take 16-bit operands of whole 64-element
+    # tiles on the GPU; float32 inputs (IEEE fp32 products), other head sizes and
+    # interpret mode keep the Triton ones.
+    from . import mgpu
+    if cfg["main"] == "mgpu" and not interpret and mgpu.takes(q, v, cfg["bv_mgpu"]):
+        out = mgpu.gdn_prefill_mgpu(qf, kf, vf, gf, bf, cu, N, initial_state, scale=scale,
+                                    use_qk_l2norm=use_qk_l2norm, bv=cfg["bv_mgpu"],
+                                    only_intra=_only_intra)
+        if _only_intra:
+            return out
+        o, fin = out
+        return o.reshape(B, T, Hv, dv), (fin if output_final_state else None)
+    tab = chunk_table(cu, TT, CHUNK)
+    C = tab["c_max"]
     rows = TT
     if interpret:  # dynamic slices clamp in interpret mode: pad by a chunk
         qf, kf, vf, gf, bf = (_pad_rows(x, CHUNK) for x in (qf, kf, vf, gf, bf))

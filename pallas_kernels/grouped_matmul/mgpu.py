@@ -4,7 +4,8 @@ The work is a list of tiles, one per (row block, group) pair that holds rows, bu
 XLA before the launch (``tile_table``): tile t multiplies rows [lo, lo + size) of row
 block ``block`` by ``w[group]``. Each SM walks the tiles x column tiles round-robin;
 a tile's K loop is a TMA pipeline feeding wgmma, and its rows are stored by a ladder of
-power-of-two TMA stores (a TMA store has a static shape, the row count is dynamic).
+power-of-two TMA stores (``_mgpu.store_rows``: a TMA store has a static shape, the row
+count is dynamic).
 
 Two things JAX's ``ragged_dot_mgpu`` does not do, and why they matter here:
   * ``group`` is an index into the whole weight stack ([L * E, K, N], every layer's
@@ -23,10 +24,11 @@ are not written.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
+
+from .._mgpu import store_rows
 
 # Tiles in order of preference; the first whose block_k divides K and block_n
 # divides N is taken. H200, jax 0.11.2 (bench/RESULTS.md): with JAX's kernel (same
@@ -124,20 +126,9 @@ def grouped_matmul_mgpu(x, w, group_sizes, group_offset=0, *, block_m: int, bloc
                 def _store(o_smem):
                     o_smem[...] = acc.astype(o_smem.dtype)
                     plgpu.commit_smem()
-                    # Rows [lo, lo + size) in stores of 2^j rows for each set bit j of
-                    # size, largest first: every store has a static shape.
-                    row = lo
-                    for j in reversed(range(int(math.log2(block_m)) + 1)):
-                        rows_j = 1 << j
-
-                        @pl.when(size & rows_j != 0)
-                        def _(row=row, rows_j=rows_j):
-                            plgpu.copy_smem_to_gmem(
-                                o_smem.at[pl.ds(row, rows_j)],
-                                o_gmem.at[pl.ds(block * block_m + row, rows_j),
-                                          pl.ds(ni * block_n, block_n)])
-
-                        row = row + (size & rows_j)
+                    store_rows(o_smem, lambda row, rows: o_gmem.at[
+                        pl.ds(block * block_m + row, rows), pl.ds(ni * block_n, block_n)],
+                        lo, size, block_m)
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     sms = getattr(jax.devices()[0], "core_count", 132)  # one loop per SM (H200: 132)

@@ -1,0 +1,412 @@
+"""Mosaic GPU (sm90: wgmma + TMA) chunked GDN prefill: an intra launch and a
+sequential launch, as the Pallas Triton pair (``pallas_triton``) but with explicit
+wgmma, TMA and SMEM.
+
+The Triton sequential launch is latency-bound: about 8 us per 64-token chunk against
+1 us of tensor-core work (bench/RESULTS.md), because each chunk's loads sit on the state
+chain and Triton's small dots convert layouts through shared memory. Here one CTA (one
+warpgroup) per (sequence, value head, V tile) keeps the fp32 state tile in wgmma
+registers and:
+
+  * prefetches the next chunk's q, k, v tile, M = T diag(beta) and gamma by TMA into
+    the other half of double-buffered SMEM while the current chunk computes;
+  * per chunk issues Q K^T with K S and Q S as one wgmma group, then Vd = M (V -
+    e^gamma K S) (building P = Q K^T . decay while it runs), then P Vd and K^T V' as a
+    second group (V' = e^{gamma_C - gamma} Vd), added to e^gamma Q S and e^{gamma_C} S
+    in registers;
+  * stores each chunk's valid output rows, a whole chunk in one TMA store, a partial
+    one by the power-of-two ladder.
+
+TMA addresses a tiled SMEM buffer's rows in whole tiles, so a chunk cannot start at
+an arbitrary token. Chunks here live on the 64-row grid of the packed token axis
+(``block_table``): a sequence's chunk is one grid block, cut to the rows [lo, hi) that
+belong to it (only a sequence's first and last chunks are cut). Rows outside [lo, hi)
+are read (another sequence's tokens, or TMA's zero fill past the end) but weigh
+nothing: beta and g are 0 there, so M's columns and rows there vanish and Vd's rows
+there are 0; their output rows are not stored.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .._mgpu import load, store_rows, wgmma_transforms
+
+CHUNK = 64
+
+
+def block_table(cu, total_tokens: int):
+    """Chunks on the 64-row grid, never crossing a sequence boundary. cu int32 [N+1]
+    (traced). Returns int32 arrays of the static length C = ceil(T / 64) + N (each
+    sequence adds at most one block it shares): per entry the block's first token
+    ``start`` (a multiple of 64) and the sequence's rows in it [lo, hi) (0, 0 for
+    unused entries); per sequence ``seq_first_chunk`` and ``seq_nchunks``."""
+    n_seq = cu.shape[0] - 1
+    c_max = -(-total_tokens // CHUNK) + n_seq
+    cu = jnp.minimum(cu.astype(jnp.int32), total_tokens)
+    s0, s1 = cu[:-1], cu[1:]
+    nch = jnp.where(s1 > s0, (s1 + CHUNK - 1) // CHUNK - s0 // CHUNK, 0)
+    ends = jnp.cumsum(nch)
+    first = ends - nch
+    c = jnp.arange(c_max, dtype=jnp.int32)
+    seq = jnp.minimum(jnp.searchsorted(ends, c, side="right", method="compare_all"),
+                      n_seq - 1)
+    live = c < ends[-1]
+    start = (s0[seq] // CHUNK + c - first[seq]) * CHUNK
+    lo = jnp.where(live, jnp.maximum(s0[seq] - start, 0), 0)
+    hi = jnp.where(live, jnp.minimum(s1[seq] - start, CHUNK), 0)
+    return dict(start=jnp.where(live, start, 0), lo=lo, hi=hi, seq_first_chunk=first,
+                seq_nchunks=nch)
+
+
+def _per_block(x, tab):
+    """x [T, H] as [C, H, 64] on each entry's block, 0 outside its rows [lo, hi)."""
+    pos = jnp.arange(CHUNK, dtype=jnp.int32)
+    idx = jnp.minimum(tab["start"][:, None] + pos, x.shape[0] - 1)
+    keep = (pos >= tab["lo"][:, None]) & (pos < tab["hi"][:, None])
+    return jnp.where(keep[..., None], x[idx], 0.0).transpose(0, 2, 1)
+
+
+def _l2norm_rows(x):
+    """x / sqrt(sum x^2 + 1e-6) over the last axis, in fp32, back in x's dtype."""
+    xf = x.astype(jnp.float32)
+    return (xf * lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + 1e-6)).astype(x.dtype)
+
+
+def takes(q, v, bv: int) -> bool:
+    """Whether these kernels take q [.., dk] and v [.., dv]: one 16-bit dtype, and dk
+    and dv multiples of the V tile bv, itself 128 bytes (every wgmma operand row here
+    is one 128-byte swizzle row)."""
+    dk, dv = q.shape[-1], v.shape[-1]
+    return (q.dtype == v.dtype and q.dtype in (jnp.bfloat16, jnp.float16)
+            and bv * q.dtype.itemsize == 128 and dk % bv == 0 and dv % bv == 0)
+
+
+def gdn_prefill_mgpu(q, k, v, g, beta, cu, n_seq: int, initial_state, *, scale: float,
+                     use_qk_l2norm: bool, bv: int, only_intra: bool = False):
+    """Packed prefill (``gdn_prefill``'s semantics) on the two Mosaic GPU launches.
+    q, k [T, Hk, dk], v [T, Hv, dv] in one 16-bit dtype; g, beta [T, Hv] float32.
+    Returns (o [T, Hv, dv], final state [N, Hv, dk, dv] float32); only_intra: the
+    intra launch's (M, gamma), for timing it alone."""
+    T = q.shape[0]
+    if use_qk_l2norm:  # once here, not once per V tile in the sequential launch
+        q, k = _l2norm_rows(q), _l2norm_rows(k)
+    pad = -T % 8  # TMA tiles the token axis of q, k, v and o by 8 rows
+    if pad:
+        q, k, v = (jnp.pad(x, ((0, pad), (0, 0), (0, 0))) for x in (q, k, v))
+    tab = block_table(cu, T)
+    gam = jnp.cumsum(_per_block(g, tab), axis=-1)
+    m = intra_mgpu(tab["start"], tab["hi"], k, gam, _per_block(beta, tab),
+                   ratio=v.shape[1] // k.shape[1])
+    if only_intra:
+        return m, gam
+    init = None if initial_state is None else initial_state.astype(jnp.float32)
+    o, fin = chunk_pass_mgpu(cu, tab["seq_first_chunk"], tab["seq_nchunks"], q, k, v, m,
+                             gam, init, n_seq=n_seq, ratio=v.shape[1] // k.shape[1], bv=bv,
+                             scale=scale)
+    return o[:T], fin
+
+
+def chunk_pass_mgpu(cu, seq_first, seq_nchunks, q, k, v, m, gam, init, *,
+                    n_seq: int, ratio: int, bv: int, scale: float):
+    """The sequential launch. q, k [T, Hk, dk] and v [T, Hv, dv] (16-bit, one dtype, T
+    a multiple of 8); m [C, Hv, 64, 64] (q's dtype) and gam [C, Hv, 64] float32 per
+    ``block_table`` entry; init [N, Hv, dk, dv] float32 or None. Returns (o [T, Hv,
+    dv] in v's dtype, rows at or past cu[N] zero; final state [N, Hv, dk, dv] float32)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    T, _, dk = q.shape
+    _, Hv, dv = v.shape
+    dt = q.dtype
+    item = jnp.dtype(dt).itemsize
+    if not takes(q, v, bv):
+        raise ValueError(f"the V tile bv={bv} must be 128 bytes of one 16-bit dtype "
+                         f"(q {q.dtype}, v {v.dtype}) and divide dv={dv} and dk={dk}")
+    has_init = init is not None
+    wg = plgpu.Layout.WGMMA
+    row_vec, col_vec = wg.reduce(1), wg.reduce(0)
+    tr = wgmma_transforms(bv, item)  # 128 B swizzle rows for every wgmma operand
+
+    def body(cu_g, first_g, nch_g, q_g, k_g, v_g, m_g, gam_g, *rest):
+        if has_init:
+            init_g, *rest = rest
+        (o_g, fin_g, q_s, k_s, v_s, m_s, g_s, s_s, w_s, vd_s, vp_s, p_s, o_t, o_s, f_s,
+         bar, init_bar) = rest
+        s = lax.axis_index("s")
+        h = lax.axis_index("h")
+        v0 = lax.axis_index("v") * bv
+        hk = h // ratio
+        # every scalar this CTA needs, read once: a GMEM read on the chunk chain costs
+        # a memory latency per chunk. Chunk i of sequence s is grid block b0 + i.
+        c0, nc = first_g[s], nch_g[s]
+        seq_start, seq_end = cu_g[s], cu_g[s + 1]
+        b0 = seq_start // CHUNK
+
+        def fetch(i, slot):
+            st, c = (b0 + i) * CHUNK, c0 + i
+            b = bar.at[slot]
+            plgpu.copy_gmem_to_smem(q_g.at[pl.ds(st, CHUNK), hk], q_s.at[slot], b)
+            plgpu.copy_gmem_to_smem(k_g.at[pl.ds(st, CHUNK), hk], k_s.at[slot], b)
+            plgpu.copy_gmem_to_smem(v_g.at[pl.ds(st, CHUNK), h, pl.ds(v0, bv)],
+                                    v_s.at[slot], b)
+            plgpu.copy_gmem_to_smem(m_g.at[c, h], m_s.at[slot], b)
+            plgpu.copy_gmem_to_smem(gam_g.at[c, h], g_s.at[slot], b)
+
+        @pl.when(nc > 0)
+        def _():
+            fetch(0, 0)
+
+        if has_init:
+            plgpu.copy_gmem_to_smem(init_g.at[s, h, :, pl.ds(v0, bv)], f_s, init_bar)
+            plgpu.barrier_wait(init_bar)
+            S0 = load(f_s, wg, optimized=False)
+        else:
+            S0 = plgpu.layout_cast(jnp.zeros((dk, bv), jnp.float32), wg)
+
+        ri = plgpu.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0, layout=wg)
+        ci = plgpu.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1, layout=wg)
+        causal = ri >= ci
+        rows = lambda x: lax.broadcast_in_dim(x, (CHUNK, bv), [0])
+
+        def chunk(i, S):
+            slot = lax.rem(i, 2)
+
+            @pl.when(i + 1 < nc)
+            def _():
+                fetch(i + 1, 1 - slot)
+
+            plgpu.barrier_wait(bar.at[slot])
+            q_c, k_c, g_c_ref = q_s.at[slot], k_s.at[slot], g_s.at[slot]
+            s_s[...] = S.astype(dt)
+            plgpu.commit_smem()
+
+            def state_reads(ks_acc, qs_acc, qk_acc):
+                plgpu.wgmma(ks_acc, k_c, s_s)
+                plgpu.wgmma(qs_acc, q_c, s_s)
+                plgpu.wgmma(qk_acc, q_c, k_c.transpose((1, 0)))
+                plgpu.wgmma_wait(0)
+                return ks_acc[...], qs_acc[...], qk_acc[...]
+
+            ks, qs, qk = pl.run_scoped(state_reads, plgpu.ACC((CHUNK, bv)),
+                                       plgpu.ACC((CHUNK, bv)), plgpu.ACC((CHUNK, CHUNK)))
+            g_r = load(g_c_ref, row_vec)
+            eg = jnp.exp(g_r)
+            vin = load(v_s.at[slot], wg).astype(jnp.float32)
+            w_s[...] = (vin - rows(eg) * ks).astype(dt)
+            plgpu.commit_smem()
+
+            def solve(vd_acc):
+                plgpu.wgmma(vd_acc, m_s.at[slot], w_s)
+                # P = (Q K^T) . e^{gamma_i - gamma_j} [i >= j], while the tensor cores run
+                g_col = load(g_c_ref, col_vec)
+                diff = (lax.broadcast_in_dim(g_r, (CHUNK, CHUNK), [0])
+                        - lax.broadcast_in_dim(g_col, (CHUNK, CHUNK), [1]))
+                p_s[...] = jnp.where(causal, qk * jnp.exp(jnp.where(causal, diff, 0.0)),
+                                     0.0).astype(dt)
+                plgpu.wgmma_wait(0)
+                return vd_acc[...]
+
+            vd = pl.run_scoped(solve, plgpu.ACC((CHUNK, bv)))
+            g_last = g_c_ref[CHUNK - 1]
+            vd_s[...] = vd.astype(dt)
+            vp_s[...] = (rows(jnp.exp(g_last - g_r)) * vd).astype(dt)
+            plgpu.commit_smem()
+
+            def update(pv_acc, kv_acc):
+                plgpu.wgmma(pv_acc, p_s, vd_s)
+                plgpu.wgmma(kv_acc, k_c.transpose((1, 0)), vp_s)
+                o_part = rows(eg) * qs
+                s_part = jnp.exp(g_last) * S
+                plgpu.wgmma_wait(0)
+                return o_part + pv_acc[...], s_part + kv_acc[...]
+
+            o, S = pl.run_scoped(update, plgpu.ACC((CHUNK, bv)), plgpu.ACC((dk, bv)))
+            o = (o * scale).astype(o_g.dtype)
+            st = (b0 + i) * CHUNK
+            lo = jnp.maximum(seq_start - st, 0)
+            hi = jnp.minimum(seq_end - st, CHUNK)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # last chunk's rows left
+            whole = (lo == 0) & (hi == CHUNK)
+
+            @pl.when(whole)  # one store from swizzled SMEM
+            def _():
+                o_t[...] = o
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_t, o_g.at[pl.ds(st, CHUNK), h, pl.ds(v0, bv)])
+
+            @pl.when(~whole)  # a sequence's first or last rows: the power-of-two ladder
+            def _():
+                o_s[...] = o
+                plgpu.commit_smem()
+                store_rows(o_s, lambda r, n: o_g.at[pl.ds(st + r, n), h, pl.ds(v0, bv)],
+                           lo, hi - lo, CHUNK)
+            return S
+
+        S = lax.fori_loop(0, nc, chunk, S0)
+        f_s[...] = S
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(f_s, fin_g.at[s, h, :, pl.ds(v0, bv)])
+
+        # the last sequence's CTAs zero the padding rows [cu[N], T)
+        @pl.when(s == n_seq - 1)
+        def _():
+            pad0 = cu_g[n_seq]
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            o_s[...] = jnp.zeros((CHUNK, bv), o_s.dtype)
+            plgpu.commit_smem()
+
+            @pl.loop(0, (T - pad0 + CHUNK - 1) // CHUNK)
+            def _(j):
+                st = pad0 + j * CHUNK
+                store_rows(o_s, lambda r, n: o_g.at[pl.ds(st + r, n), h, pl.ds(v0, bv)],
+                           0, jnp.minimum(T - st, CHUNK), CHUNK)
+
+        plgpu.wait_smem_to_gmem(0)
+
+    scratch = [
+        plgpu.SMEM((2, CHUNK, dk), dt, transforms=tr),       # q
+        plgpu.SMEM((2, CHUNK, dk), dt, transforms=tr),       # k
+        plgpu.SMEM((2, CHUNK, bv), dt, transforms=tr),        # v tile
+        plgpu.SMEM((2, CHUNK, CHUNK), dt, transforms=tr),     # M
+        plgpu.SMEM((2, CHUNK), jnp.float32),                   # gamma
+        plgpu.SMEM((dk, bv), dt, transforms=tr),              # S, 16-bit copy
+        plgpu.SMEM((CHUNK, bv), dt, transforms=tr),           # V - e^gamma K S
+        plgpu.SMEM((CHUNK, bv), dt, transforms=tr),           # Vd
+        plgpu.SMEM((CHUNK, bv), dt, transforms=tr),           # V'
+        plgpu.SMEM((CHUNK, CHUNK), dt, transforms=tr),        # P
+        plgpu.SMEM((CHUNK, bv), v.dtype, transforms=tr),       # output, whole chunk
+        plgpu.SMEM((CHUNK, bv), v.dtype),                      # output, last rows
+        plgpu.SMEM((dk, bv), jnp.float32),                     # state in / out
+        plgpu.Barrier(num_arrivals=5, num_barriers=2),         # a chunk's five copies
+        plgpu.Barrier(),                                       # the initial state
+    ]
+    kernel = plgpu.kernel(
+        body,
+        out_type=(jax.ShapeDtypeStruct((T, Hv, dv), v.dtype),
+                  jax.ShapeDtypeStruct((n_seq, Hv, dk, dv), jnp.float32)),
+        scratch_types=scratch,
+        grid=(n_seq, Hv, dv // bv),
+        grid_names=("s", "h", "v"),
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Lane),
+    )
+    args = (cu, seq_first, seq_nchunks, q, k, v, m, gam)
+    return kernel(*args, *((init,) if has_init else ()))
+
+
+
+def intra_mgpu(start, hi, k, gam, beta, *, ratio: int):
+    """The intra launch: M = T diag(beta) per ``block_table`` entry and value head,
+    T = (I + A)^-1, A_ij = beta_i k_i.k_j e^{gamma_i - gamma_j} (i > j). k [T, Hk, dk]
+    16-bit (L2-normalised where the op asks); gam, beta [C, Hv, 64] float32 on each
+    entry's block (gamma the chunk-local cumulative gate; beta 0 and gamma constant
+    outside the entry's rows). Returns M [C, Hv, 64, 64] in k's dtype; unused entries
+    (hi = 0) are not written (no sequence reads them).
+
+    T by recursive doubling of its diagonal blocks: with D_s the block-diagonal part of T
+    in blocks of s rows and B_s the part of A below the diagonal inside each 2s block,
+    D_2s = D_s - D_s B_s D_s (T_ba = -T_bb A_ba T_aa), s = 1, 2, ..., 32. Every
+    product is of moderate entries: the product form (I+N)(I+N^2)...(I+N^32) that the
+    Triton kernels use builds powers of A as large as 1e7 for correlated keys and
+    loses all digits to cancellation (bench/RESULTS.md). Products are tf32 wgmma,
+    which reads both operands K-major, i.e. forms X Y^T of two row-major SMEM
+    matrices: the kernel carries D_s and D_s^T (A^T comes from the symmetric K K^T)
+    and gets Y = B D and Y^T = D^T B^T, then D Y and (D Y)^T, two rounds a level."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    _, _, dk = k.shape
+    C, Hv, _ = gam.shape
+    dt = k.dtype
+    wg = plgpu.Layout.WGMMA
+    row_vec, col_vec = wg.reduce(1), wg.reduce(0)
+    tr16 = wgmma_transforms(CHUNK, jnp.dtype(dt).itemsize)
+    tr32 = wgmma_transforms(32, 4)
+    full = lambda x: lax.broadcast_in_dim(x, (CHUNK, CHUNK), [0])
+    cols = lambda x: lax.broadcast_in_dim(x, (CHUNK, CHUNK), [1])
+
+    def body(start_g, hi_g, k_g, gam_g, beta_g, m_g, k_s, g_s, b_s, b_sm, d_sm, dt_sm,
+             y_sm, yt_sm, m_s, bar):
+        c = lax.axis_index("c")
+        h = lax.axis_index("h")
+
+        @pl.when(hi_g[c] > 0)
+        def _():
+            plgpu.copy_gmem_to_smem(k_g.at[pl.ds(start_g[c], CHUNK), h // ratio], k_s,
+                                    bar.at[0])
+            plgpu.copy_gmem_to_smem(gam_g.at[c, h], g_s, bar.at[1])
+            plgpu.copy_gmem_to_smem(beta_g.at[c, h], b_s, bar.at[2])
+            for i in range(3):
+                plgpu.barrier_wait(bar.at[i])
+
+            def kkt(acc):
+                plgpu.wgmma(acc, k_s, k_s.transpose((1, 0)))
+                plgpu.wgmma_wait(0)
+                return acc[...]
+
+            kk = pl.run_scoped(kkt, plgpu.ACC((CHUNK, CHUNK)))
+            ri = plgpu.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0, layout=wg)
+            ci = plgpu.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1, layout=wg)
+            g_r, g_c = load(g_s, row_vec), load(g_s, col_vec)
+            b_r, b_c = load(b_s, row_vec), load(b_s, col_vec)
+            d = full(g_r) - cols(g_c)
+            # A and A^T from the symmetric K K^T (the exponent is <= 0 where kept)
+            a = jnp.where(ri > ci, kk * full(b_r) * jnp.exp(jnp.where(ri > ci, d, 0.0)), 0.0)
+            at = jnp.where(ri < ci, kk * cols(b_c) * jnp.exp(jnp.where(ri < ci, -d, 0.0)),
+                           0.0)
+            eye = jnp.where(ri == ci, 1.0, 0.0)
+            # D_s: T's diagonal blocks of size s. D_2 = I - (A's 2x2 sub-diagonal).
+            sub = (ri // 2 == ci // 2)
+            dd, ddt = eye - jnp.where(sub, a, 0.0), eye - jnp.where(sub, at, 0.0)
+            for blk in (2, 4, 8, 16, 32):
+                # B: A's block below the diagonal inside each 2*blk block
+                bm = jnp.where((ri // (2 * blk) == ci // (2 * blk)) & (ri // blk != ci // blk),
+                               a, 0.0)
+                b_sm[...] = bm
+                d_sm[...] = dd
+                dt_sm[...] = ddt
+                plgpu.commit_smem()
+                y, yt = pl.run_scoped(functools.partial(_xyt, pairs=(
+                    (b_sm, dt_sm), (dt_sm, b_sm))), *(plgpu.ACC((CHUNK, CHUNK)),) * 2)
+                y_sm[...] = y
+                yt_sm[...] = yt
+                plgpu.commit_smem()
+                dy, dyt = pl.run_scoped(functools.partial(_xyt, pairs=(
+                    (d_sm, yt_sm), (yt_sm, d_sm))), *(plgpu.ACC((CHUNK, CHUNK)),) * 2)
+                dd, ddt = dd - dy, ddt - dyt
+            t = dd
+            m_s[...] = (t * cols(b_c)).astype(dt)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(m_s, m_g.at[c, h])
+            plgpu.wait_smem_to_gmem(0)
+
+    return plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((C, Hv, CHUNK, CHUNK), dt),
+        scratch_types=[
+            plgpu.SMEM((CHUNK, dk), dt, transforms=tr16),        # k
+            plgpu.SMEM((CHUNK,), jnp.float32),                   # gamma
+            plgpu.SMEM((CHUNK,), jnp.float32),                   # beta
+            *(plgpu.SMEM((CHUNK, CHUNK), jnp.float32, transforms=tr32),) * 5,  # B D D^T Y Y^T
+            plgpu.SMEM((CHUNK, CHUNK), dt, transforms=tr16),     # M
+            plgpu.Barrier(num_barriers=3),
+        ],
+        grid=(C, Hv),
+        grid_names=("c", "h"),
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Lane),
+    )(start, hi, k, gam, beta)
+
+
+def _xyt(*accs, pairs):
+    """accs[i] = x_i y_i^T for the row-major SMEM pairs (x_i, y_i): a tf32 wgmma reads
+    both operands K-major."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    for acc, (x, y) in zip(accs, pairs):
+        plgpu.wgmma(acc, x, y.transpose((1, 0)))
+    plgpu.wgmma_wait(0)
+    return [acc[...] for acc in accs]

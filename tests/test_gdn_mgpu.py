@@ -1,0 +1,112 @@
+"""The Mosaic GPU GDN prefill (pallas_kernels/gdn/mgpu.py).
+
+Its chunk table runs anywhere (plain XLA). Its kernels need wgmma: they run natively on
+an sm90 GPU, or in JAX's Mosaic GPU interpreter, which ships from jax 0.11; on the CPU
+with an older jax (the CI's 0.10.2) that test is skipped, and the same kernels are
+checked against the float64 oracle on the GPU by ``python -m bench.kernels --parts
+check`` (bench/RESULTS.md). The Triton kernels' tests cover the same recursion (the
+doubling inverse, ``test_gdn_kernels.py``).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.gdn import mgpu
+from pallas_kernels.oracle import gdn_prefill_oracle, rel_err
+from pallas_kernels.tuning import gpu_arch
+
+CUS = [
+    [0, 65, 65, 66, 196, 259, 323, 523],   # mixed, a zero-length sequence
+    [0, 64, 192],                          # on the grid
+    [0, 1],                                # one token
+    [0, 200, 205, 333],                    # a short sequence inside a block
+]
+
+
+@pytest.mark.parametrize("cu", CUS)
+def test_block_table_covers_each_sequence_on_the_grid(cu):
+    total = cu[-1] + 9
+    tab = {k: np.asarray(v) for k, v in mgpu.block_table(jnp.asarray(cu, jnp.int32), total).items()}
+    n_seq = len(cu) - 1
+    c_max = -(-total // 64) + n_seq
+    assert tab["start"].shape == (c_max,)
+    assert np.all(tab["start"] % 64 == 0)
+    used = np.zeros(c_max, bool)
+    for s in range(n_seq):
+        first, n = tab["seq_first_chunk"][s], tab["seq_nchunks"][s]
+        rows = []
+        for c in range(first, first + n):
+            assert 0 <= tab["lo"][c] < tab["hi"][c] <= 64
+            rows += list(range(tab["start"][c] + tab["lo"][c], tab["start"][c] + tab["hi"][c]))
+            used[c] = True
+        assert rows == list(range(cu[s], cu[s + 1]))  # in order, no gap, no overlap
+    assert np.all(tab["hi"][~used] == 0)
+
+
+def test_per_block_zero_outside_rows():
+    cu = jnp.asarray([0, 70, 100], jnp.int32)
+    tab = mgpu.block_table(cu, 100)
+    x = jnp.arange(100 * 2, dtype=jnp.float32).reshape(100, 2) + 1.0
+    xb = np.asarray(mgpu._per_block(x, tab))  # [C, 2, 64]
+    t = {k: np.asarray(v) for k, v in tab.items()}
+    for c in range(xb.shape[0]):
+        for r in range(64):
+            inside = t["lo"][c] <= r < t["hi"][c]
+            want = np.asarray(x)[t["start"][c] + r] if inside else 0.0
+            np.testing.assert_array_equal(xb[c, :, r], want)
+
+
+def _runner():
+    """A context that runs Mosaic GPU kernels here, or None."""
+    if gpu_arch() == "sm90":
+        return contextlib.nullcontext()
+    if jax.__version_info__ < (0, 11):
+        return None
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    mesh = jax.sharding.AbstractMesh((), (), abstract_device=jax.sharding.AbstractDevice(
+        device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=8))
+    stack = contextlib.ExitStack()
+    stack.enter_context(jax.sharding.use_abstract_mesh(mesh))
+    stack.enter_context(plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()))
+    return stack
+
+
+@pytest.mark.parametrize("with_init,shared", [(True, 0.0), (False, 3.0)])
+def test_mgpu_prefill_matches_oracle(with_init, shared):
+    """Packed sequences off the 64-row grid, a zero-length one, padding rows; keys
+    sharing a direction (large A) in the second case."""
+    runner = _runner()
+    if runner is None:
+        pytest.skip("needs an sm90 GPU or jax >= 0.11 (Mosaic GPU interpreter); "
+                    "bench.kernels --parts check runs it on the GPU")
+    rng = np.random.default_rng(3)
+    lens, pad, Hk, Hv, dk, dv = [65, 0, 1, 130], 3, 1, 2, 64, 64
+    T = sum(lens) + pad
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    q = rng.standard_normal((T, Hk, dk))
+    k = rng.standard_normal((T, Hk, dk)) + shared * rng.standard_normal((1, Hk, dk))
+    v = rng.standard_normal((T, Hv, dv))
+    g = np.log(rng.uniform(0.85, 0.999, (T, Hv)))
+    beta = rng.uniform(0.05, 1.0, (T, Hv))
+    init = rng.standard_normal((len(lens), Hv, dk, dv)) * 0.3 if with_init else None
+    bf = lambda a: jnp.asarray(a, jnp.bfloat16)
+    with runner:
+        o, fin = mgpu.gdn_prefill_mgpu(
+            bf(q), bf(k), bf(v), jnp.asarray(g, jnp.float32), jnp.asarray(beta, jnp.float32),
+            jnp.asarray(cu), len(lens), None if init is None else jnp.asarray(init, jnp.float32),
+            scale=dk ** -0.5, use_qk_l2norm=True, bv=64)
+    f64 = lambda a: np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+    o_ref, f_ref = gdn_prefill_oracle(
+        f64(bf(q)), f64(bf(k)), f64(bf(v)), g, beta, cu,
+        np.zeros((len(lens), Hv, dk, dv)) if init is None else init, dk ** -0.5, True)
+    o, fin = f64(o), f64(fin)
+    assert np.all(np.isfinite(o)) and np.all(np.isfinite(fin))
+    assert rel_err(o[:cu[-1]], o_ref[:cu[-1]]) < 1e-2
+    assert rel_err(fin, f_ref) < 1e-2
+    assert np.all(o[cu[-1]:] == 0.0)
