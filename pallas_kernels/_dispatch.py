@@ -6,7 +6,9 @@ backend:
                  reference elsewhere (CPU, TPU, other GPUs).
   "reference" -> pure JAX (chunked form for prefill).
   "recurrent" -> token-by-token reference (prefill only; slow, for checking).
-  "pallas"    -> the Pallas Triton kernel bodies compiled for the GPU.
+  "pallas"    -> the Pallas kernels compiled for the GPU: the Triton bodies, or for a
+                 16-bit GDN prefill on sm90 the Mosaic GPU pair (gdn/mgpu.py; the
+                 tuning table's "main").
   "interpret" -> the same Pallas kernel bodies in interpret mode (any platform).
 
 ``default_backend`` names what "auto" stands for while a program is traced:

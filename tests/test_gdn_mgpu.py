@@ -77,16 +77,7 @@ def _runner():
     return stack
 
 
-@pytest.mark.parametrize("with_init,shared", [(True, 0.0), (False, 3.0)])
-def test_mgpu_prefill_matches_oracle(with_init, shared):
-    """Packed sequences off the 64-row grid, a zero-length one, padding rows; keys
-    sharing a direction (large A) in the second case."""
-    runner = _runner()
-    if runner is None:
-        pytest.skip("needs an sm90 GPU or jax >= 0.11 (Mosaic GPU interpreter); "
-                    "bench.kernels --parts check runs it on the GPU")
-    rng = np.random.default_rng(3)
-    lens, pad, Hk, Hv, dk, dv = [65, 0, 1, 130], 3, 1, 2, 64, 64
+def _case(rng, lens, pad, Hk, Hv, dk, dv, shared, with_init):
     T = sum(lens) + pad
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     q = rng.standard_normal((T, Hk, dk))
@@ -95,18 +86,92 @@ def test_mgpu_prefill_matches_oracle(with_init, shared):
     g = np.log(rng.uniform(0.85, 0.999, (T, Hv)))
     beta = rng.uniform(0.05, 1.0, (T, Hv))
     init = rng.standard_normal((len(lens), Hv, dk, dv)) * 0.3 if with_init else None
+    return cu, q, k, v, g, beta, init
+
+
+def _run(runner, cu, q, k, v, g, beta, init):
     bf = lambda a: jnp.asarray(a, jnp.bfloat16)
     with runner:
         o, fin = mgpu.gdn_prefill_mgpu(
             bf(q), bf(k), bf(v), jnp.asarray(g, jnp.float32), jnp.asarray(beta, jnp.float32),
-            jnp.asarray(cu), len(lens), None if init is None else jnp.asarray(init, jnp.float32),
-            scale=dk ** -0.5, use_qk_l2norm=True, bv=64)
+            jnp.asarray(cu), None if init is None else jnp.asarray(init, jnp.float32),
+            scale=q.shape[-1] ** -0.5, use_qk_l2norm=True, bv=64)
     f64 = lambda a: np.asarray(jnp.asarray(a, jnp.float32), np.float64)
-    o_ref, f_ref = gdn_prefill_oracle(
-        f64(bf(q)), f64(bf(k)), f64(bf(v)), g, beta, cu,
-        np.zeros((len(lens), Hv, dk, dv)) if init is None else init, dk ** -0.5, True)
-    o, fin = f64(o), f64(fin)
+    return f64(o), f64(fin)
+
+
+def _oracle(cu, q, k, v, g, beta, init):
+    f64 = lambda a: np.asarray(jnp.asarray(jnp.asarray(a, jnp.bfloat16), jnp.float32), np.float64)
+    n, hv, dk, dv = len(cu) - 1, v.shape[1], q.shape[-1], v.shape[-1]
+    return gdn_prefill_oracle(f64(q), f64(k), f64(v), g, beta, cu,
+                              np.zeros((n, hv, dk, dv)) if init is None else init,
+                              dk ** -0.5, True)
+
+
+def _need_runner():
+    runner = _runner()
+    if runner is None:
+        pytest.skip("needs an sm90 GPU or jax >= 0.11 (Mosaic GPU interpreter); "
+                    "bench.kernels --parts check runs it on the GPU")
+    return runner
+
+
+@pytest.mark.parametrize("with_init,shared,dk", [(True, 0.0, 64), (False, 3.0, 64),
+                                                 (True, 0.0, 128)])
+def test_mgpu_prefill_matches_oracle(with_init, shared, dk):
+    """Packed sequences off the 64-row grid, a zero-length one, padding rows; keys
+    sharing a direction (large A); dk = dv = 128 (two V tiles, the models' size)."""
+    runner = _need_runner()
+    case = _case(np.random.default_rng(3), [65, 0, 1, 130], 3, 1, 2, dk, dk, shared,
+                 with_init)
+    cu = case[0]
+    o, fin = _run(runner, *case)
+    o_ref, f_ref = _oracle(*case)
     assert np.all(np.isfinite(o)) and np.all(np.isfinite(fin))
     assert rel_err(o[:cu[-1]], o_ref[:cu[-1]]) < 1e-2
     assert rel_err(fin, f_ref) < 1e-2
     assert np.all(o[cu[-1]:] == 0.0)
+
+
+def test_mgpu_prefill_other_sequences_nan_stays_out():
+    """Non-finite values in one sequence's rows and in the padding reach no other
+    sequence: the blocks a sequence shares are read whole, and 0 * NaN is NaN."""
+    runner = _need_runner()
+    cu, q, k, v, g, beta, init = _case(np.random.default_rng(4), [70, 100, 30], 5, 1, 2,
+                                       64, 64, 0.0, True)
+    clean = [a.copy() for a in (q, k, v)]
+    for a in (q, k, v):
+        a[69] = np.nan     # the first sequence's last row, in the block it shares
+        a[cu[-1]:] = np.inf  # the padding rows
+    o, fin = _run(runner, cu, q, k, v, g, beta, init)
+    o_ref, f_ref = _oracle(cu, *clean, g, beta, init)
+    rows = slice(cu[1], cu[-1])
+    assert np.all(np.isfinite(o[rows])) and np.all(np.isfinite(fin[1:]))
+    assert rel_err(o[rows], o_ref[rows]) < 1e-2
+    assert rel_err(fin[1:], f_ref[1:]) < 1e-2
+    assert np.all(o[cu[-1]:] == 0.0)
+
+
+def test_dispatch_takes_only_what_the_kernels_can():
+    """16-bit q, k, v of one dtype with dk, dv multiples of 64 and dk <= 128; else the
+    Triton kernels."""
+    def arr(d, dtype=jnp.bfloat16):
+        return jax.ShapeDtypeStruct((8, 2, d), dtype)
+    assert mgpu.takes(arr(128), arr(128), arr(128), 64)
+    assert mgpu.takes(arr(64), arr(64), arr(128), 64)
+    assert not mgpu.takes(arr(128, jnp.float32), arr(128, jnp.float32), arr(128, jnp.float32), 64)
+    assert not mgpu.takes(arr(128), arr(128), arr(128, jnp.float16), 64)
+    assert not mgpu.takes(arr(32), arr(32), arr(32), 64)
+    assert not mgpu.takes(arr(256), arr(256), arr(128), 64)
+    assert not mgpu.takes(arr(128), arr(128), arr(128), 32)
+
+
+def test_triton_keys_without_main_are_refused_where_mosaic_is_the_default(monkeypatch):
+    """On sm90 a config naming Triton-only keys would otherwise be silently ignored."""
+    from pallas_kernels import tuning
+    from pallas_kernels.gdn import pallas_triton
+    monkeypatch.setattr(tuning, "gpu_arch", lambda: "sm90")
+    x = jnp.zeros((1, 8, 1, 64), jnp.bfloat16)
+    gb = jnp.zeros((1, 8, 1), jnp.float32)
+    with pytest.raises(ValueError, match="main='triton'"):
+        pallas_triton.gdn_prefill_pallas(x, x, x, gb, gb, config=dict(inverse="doubling"))

@@ -21,9 +21,11 @@ TMA addresses a tiled SMEM buffer's rows in whole tiles, so a chunk cannot start
 an arbitrary token. Chunks here live on the 64-row grid of the packed token axis
 (``block_table``): a sequence's chunk is one grid block, cut to the rows [lo, hi) that
 belong to it (only a sequence's first and last chunks are cut). Rows outside [lo, hi)
-are read (another sequence's tokens, or TMA's zero fill past the end) but weigh
-nothing: beta and g are 0 there, so M's columns and rows there vanish and Vd's rows
-there are 0; their output rows are not stored.
+are read (another sequence's tokens, padding, or TMA's zero fill past the end): a cut
+chunk's k and v rows there are zeroed in SMEM before use (0 * NaN is NaN: another
+request's non-finite values must not reach this one), beta and g are 0 there, so M's
+rows and columns there vanish and Vd's rows there are 0; their output rows are not
+stored.
 """
 from __future__ import annotations
 
@@ -34,8 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .._mgpu import load, store_rows, wgmma_transforms
-
-CHUNK = 64
+from .reference import CHUNK
 
 
 def block_table(cu, total_tokens: int):
@@ -43,7 +44,8 @@ def block_table(cu, total_tokens: int):
     (traced). Returns int32 arrays of the static length C = ceil(T / 64) + N (each
     sequence adds at most one block it shares): per entry the block's first token
     ``start`` (a multiple of 64) and the sequence's rows in it [lo, hi) (0, 0 for
-    unused entries); per sequence ``seq_first_chunk`` and ``seq_nchunks``."""
+    unused entries); per sequence ``seq_first_chunk`` and ``seq_nchunks``; ``cu``
+    clamped to the token count, as the table read it."""
     n_seq = cu.shape[0] - 1
     c_max = -(-total_tokens // CHUNK) + n_seq
     cu = jnp.minimum(cu.astype(jnp.int32), total_tokens)
@@ -59,7 +61,7 @@ def block_table(cu, total_tokens: int):
     lo = jnp.where(live, jnp.maximum(s0[seq] - start, 0), 0)
     hi = jnp.where(live, jnp.minimum(s1[seq] - start, CHUNK), 0)
     return dict(start=jnp.where(live, start, 0), lo=lo, hi=hi, seq_first_chunk=first,
-                seq_nchunks=nch)
+                seq_nchunks=nch, cu=cu)
 
 
 def _per_block(x, tab):
@@ -76,16 +78,18 @@ def _l2norm_rows(x):
     return (xf * lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + 1e-6)).astype(x.dtype)
 
 
-def takes(q, v, bv: int) -> bool:
-    """Whether these kernels take q [.., dk] and v [.., dv]: one 16-bit dtype, and dk
+def takes(q, k, v, bv: int) -> bool:
+    """Whether these kernels take q, k [.., dk] and v [.., dv]: one 16-bit dtype; dk
     and dv multiples of the V tile bv, itself 128 bytes (every wgmma operand row here
-    is one 128-byte swizzle row)."""
+    is one 128-byte swizzle row); dk at most 128 (the sequential launch's SMEM, ~193
+    KB at dk 128, passes the 227 KB limit from dk 192)."""
     dk, dv = q.shape[-1], v.shape[-1]
-    return (q.dtype == v.dtype and q.dtype in (jnp.bfloat16, jnp.float16)
-            and bv * q.dtype.itemsize == 128 and dk % bv == 0 and dv % bv == 0)
+    return (q.dtype == k.dtype == v.dtype and q.dtype in (jnp.bfloat16, jnp.float16)
+            and bv * q.dtype.itemsize == 128 and dk % bv == 0 and dv % bv == 0
+            and dk <= 128)
 
 
-def gdn_prefill_mgpu(q, k, v, g, beta, cu, n_seq: int, initial_state, *, scale: float,
+def gdn_prefill_mgpu(q, k, v, g, beta, cu, initial_state, *, scale: float,
                      use_qk_l2norm: bool, bv: int, only_intra: bool = False):
     """Packed prefill (``gdn_prefill``'s semantics) on the two Mosaic GPU launches.
     q, k [T, Hk, dk], v [T, Hv, dv] in one 16-bit dtype; g, beta [T, Hv] float32.
@@ -99,19 +103,18 @@ def gdn_prefill_mgpu(q, k, v, g, beta, cu, n_seq: int, initial_state, *, scale: 
         q, k, v = (jnp.pad(x, ((0, pad), (0, 0), (0, 0))) for x in (q, k, v))
     tab = block_table(cu, T)
     gam = jnp.cumsum(_per_block(g, tab), axis=-1)
-    m = intra_mgpu(tab["start"], tab["hi"], k, gam, _per_block(beta, tab),
+    m = intra_mgpu(tab["start"], tab["lo"], tab["hi"], k, gam, _per_block(beta, tab),
                    ratio=v.shape[1] // k.shape[1])
     if only_intra:
         return m, gam
     init = None if initial_state is None else initial_state.astype(jnp.float32)
-    o, fin = chunk_pass_mgpu(cu, tab["seq_first_chunk"], tab["seq_nchunks"], q, k, v, m,
-                             gam, init, n_seq=n_seq, ratio=v.shape[1] // k.shape[1], bv=bv,
-                             scale=scale)
+    o, fin = chunk_pass_mgpu(tab["cu"], tab["seq_first_chunk"], tab["seq_nchunks"], q, k, v,
+                             m, gam, init, ratio=v.shape[1] // k.shape[1], bv=bv, scale=scale)
     return o[:T], fin
 
 
 def chunk_pass_mgpu(cu, seq_first, seq_nchunks, q, k, v, m, gam, init, *,
-                    n_seq: int, ratio: int, bv: int, scale: float):
+                    ratio: int, bv: int, scale: float):
     """The sequential launch. q, k [T, Hk, dk] and v [T, Hv, dv] (16-bit, one dtype, T
     a multiple of 8); m [C, Hv, 64, 64] (q's dtype) and gam [C, Hv, 64] float32 per
     ``block_table`` entry; init [N, Hv, dk, dv] float32 or None. Returns (o [T, Hv,
@@ -121,9 +124,10 @@ def chunk_pass_mgpu(cu, seq_first, seq_nchunks, q, k, v, m, gam, init, *,
 
     T, _, dk = q.shape
     _, Hv, dv = v.shape
+    n_seq = cu.shape[0] - 1
     dt = q.dtype
     item = jnp.dtype(dt).itemsize
-    if not takes(q, v, bv):
+    if not takes(q, k, v, bv):
         raise ValueError(f"the V tile bv={bv} must be 128 bytes of one 16-bit dtype "
                          f"(q {q.dtype}, v {v.dtype}) and divide dv={dv} and dk={dk}")
     has_init = init is not None
@@ -181,6 +185,16 @@ def chunk_pass_mgpu(cu, seq_first, seq_nchunks, q, k, v, m, gam, init, *,
 
             plgpu.barrier_wait(bar.at[slot])
             q_c, k_c, g_c_ref = q_s.at[slot], k_s.at[slot], g_s.at[slot]
+            st = (b0 + i) * CHUNK
+            lo = jnp.maximum(seq_start - st, 0)
+            hi = jnp.minimum(seq_end - st, CHUNK)
+            whole = (lo == 0) & (hi == CHUNK)
+
+            @pl.when(~whole)
+            def _():
+                _zero_rows_outside(k_c, lo, hi)
+                _zero_rows_outside(v_s.at[slot], lo, hi)
+
             s_s[...] = S.astype(dt)
             plgpu.commit_smem()
 
@@ -226,11 +240,7 @@ def chunk_pass_mgpu(cu, seq_first, seq_nchunks, q, k, v, m, gam, init, *,
 
             o, S = pl.run_scoped(update, plgpu.ACC((CHUNK, bv)), plgpu.ACC((dk, bv)))
             o = (o * scale).astype(o_g.dtype)
-            st = (b0 + i) * CHUNK
-            lo = jnp.maximum(seq_start - st, 0)
-            hi = jnp.minimum(seq_end - st, CHUNK)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # last chunk's rows left
-            whole = (lo == 0) & (hi == CHUNK)
 
             @pl.when(whole)  # one store from swizzled SMEM
             def _():
@@ -298,8 +308,7 @@ def chunk_pass_mgpu(cu, seq_first, seq_nchunks, q, k, v, m, gam, init, *,
     return kernel(*args, *((init,) if has_init else ()))
 
 
-
-def intra_mgpu(start, hi, k, gam, beta, *, ratio: int):
+def intra_mgpu(start, lo, hi, k, gam, beta, *, ratio: int):
     """The intra launch: M = T diag(beta) per ``block_table`` entry and value head,
     T = (I + A)^-1, A_ij = beta_i k_i.k_j e^{gamma_i - gamma_j} (i > j). k [T, Hk, dk]
     16-bit (L2-normalised where the op asks); gam, beta [C, Hv, 64] float32 on each
@@ -307,15 +316,14 @@ def intra_mgpu(start, hi, k, gam, beta, *, ratio: int):
     outside the entry's rows). Returns M [C, Hv, 64, 64] in k's dtype; unused entries
     (hi = 0) are not written (no sequence reads them).
 
-    T by recursive doubling of its diagonal blocks: with D_s the block-diagonal part of T
-    in blocks of s rows and B_s the part of A below the diagonal inside each 2s block,
-    D_2s = D_s - D_s B_s D_s (T_ba = -T_bb A_ba T_aa), s = 1, 2, ..., 32. Every
-    product is of moderate entries: the product form (I+N)(I+N^2)...(I+N^32) that the
-    Triton kernels use builds powers of A as large as 1e7 for correlated keys and
-    loses all digits to cancellation (bench/RESULTS.md). Products are tf32 wgmma,
-    which reads both operands K-major, i.e. forms X Y^T of two row-major SMEM
-    matrices: the kernel carries D_s and D_s^T (A^T comes from the symmetric K K^T)
-    and gets Y = B D and Y^T = D^T B^T, then D Y and (D Y)^T, two rounds a level."""
+    T by recursive doubling of its diagonal blocks (``pallas_triton._doubling_inverse``,
+    where the CPU tests check it): with D_s the block-diagonal part of T in blocks of
+    s rows and B_s the part of A below the diagonal inside each 2s block, D_2s = D_s -
+    D_s B_s D_s (T_ba = -T_bb A_ba T_aa), s = 1, 2, ..., 32; every product is of
+    moderate entries. Products are tf32 wgmma, which reads both operands K-major, i.e.
+    forms X Y^T of two row-major SMEM matrices: the kernel carries D_s and D_s^T (A^T
+    comes from the symmetric K K^T) and gets Y^T = D^T B^T, then D Y = D (Y^T)^T and
+    (D Y)^T = Y^T D^T: two rounds a level."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -329,8 +337,8 @@ def intra_mgpu(start, hi, k, gam, beta, *, ratio: int):
     full = lambda x: lax.broadcast_in_dim(x, (CHUNK, CHUNK), [0])
     cols = lambda x: lax.broadcast_in_dim(x, (CHUNK, CHUNK), [1])
 
-    def body(start_g, hi_g, k_g, gam_g, beta_g, m_g, k_s, g_s, b_s, b_sm, d_sm, dt_sm,
-             y_sm, yt_sm, m_s, bar):
+    def body(start_g, lo_g, hi_g, k_g, gam_g, beta_g, m_g, k_s, g_s, b_s, b_sm, d_sm,
+             dt_sm, yt_sm, m_s, bar):
         c = lax.axis_index("c")
         h = lax.axis_index("h")
 
@@ -342,6 +350,11 @@ def intra_mgpu(start, hi, k, gam, beta, *, ratio: int):
             plgpu.copy_gmem_to_smem(beta_g.at[c, h], b_s, bar.at[2])
             for i in range(3):
                 plgpu.barrier_wait(bar.at[i])
+            lo, hi = lo_g[c], hi_g[c]
+
+            @pl.when((lo > 0) | (hi < CHUNK))
+            def _():
+                _zero_rows_outside(k_s, lo, hi)
 
             def kkt(acc):
                 plgpu.wgmma(acc, k_s, k_s.transpose((1, 0)))
@@ -370,16 +383,14 @@ def intra_mgpu(start, hi, k, gam, beta, *, ratio: int):
                 d_sm[...] = dd
                 dt_sm[...] = ddt
                 plgpu.commit_smem()
-                y, yt = pl.run_scoped(functools.partial(_xyt, pairs=(
-                    (b_sm, dt_sm), (dt_sm, b_sm))), *(plgpu.ACC((CHUNK, CHUNK)),) * 2)
-                y_sm[...] = y
+                yt = pl.run_scoped(functools.partial(_xyt, pairs=((dt_sm, b_sm),)),
+                                   plgpu.ACC((CHUNK, CHUNK)))[0]  # Y^T = D^T B^T
                 yt_sm[...] = yt
                 plgpu.commit_smem()
                 dy, dyt = pl.run_scoped(functools.partial(_xyt, pairs=(
                     (d_sm, yt_sm), (yt_sm, d_sm))), *(plgpu.ACC((CHUNK, CHUNK)),) * 2)
                 dd, ddt = dd - dy, ddt - dyt
-            t = dd
-            m_s[...] = (t * cols(b_c)).astype(dt)
+            m_s[...] = (dd * cols(b_c)).astype(dt)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(m_s, m_g.at[c, h])
             plgpu.wait_smem_to_gmem(0)
@@ -391,7 +402,7 @@ def intra_mgpu(start, hi, k, gam, beta, *, ratio: int):
             plgpu.SMEM((CHUNK, dk), dt, transforms=tr16),        # k
             plgpu.SMEM((CHUNK,), jnp.float32),                   # gamma
             plgpu.SMEM((CHUNK,), jnp.float32),                   # beta
-            *(plgpu.SMEM((CHUNK, CHUNK), jnp.float32, transforms=tr32),) * 5,  # B D D^T Y Y^T
+            *(plgpu.SMEM((CHUNK, CHUNK), jnp.float32, transforms=tr32),) * 4,  # B D D^T Y^T
             plgpu.SMEM((CHUNK, CHUNK), dt, transforms=tr16),     # M
             plgpu.Barrier(num_barriers=3),
         ],
@@ -399,7 +410,7 @@ def intra_mgpu(start, hi, k, gam, beta, *, ratio: int):
         grid_names=("c", "h"),
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Lane),
-    )(start, hi, k, gam, beta)
+    )(start, lo, hi, k, gam, beta)
 
 
 def _xyt(*accs, pairs):
@@ -410,3 +421,13 @@ def _xyt(*accs, pairs):
         plgpu.wgmma(acc, x, y.transpose((1, 0)))
     plgpu.wgmma_wait(0)
     return [acc[...] for acc in accs]
+
+
+def _zero_rows_outside(ref, lo, hi):
+    """Zero the rows of a 64-row SMEM tile outside [lo, hi), in place."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    wg = plgpu.Layout.WGMMA
+    r = plgpu.broadcasted_iota(jnp.int32, ref.shape, 0, layout=wg)
+    x = load(ref, wg)
+    ref[...] = jnp.where((r >= lo) & (r < hi), x, 0)
+    plgpu.commit_smem()

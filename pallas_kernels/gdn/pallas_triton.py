@@ -24,6 +24,9 @@ Prefill is two launches (variants chosen by ``tuning.GDN_PREFILL``):
    (the v_new = T diag(beta) (V - e^gamma K S) form of FlashInfer / FlashQLA).
    The last sequence's programs also zero the padding rows past cu[N].
 
+On sm90, 16-bit inputs take the Mosaic GPU pair in ``mgpu.py`` instead (config
+main="mgpu", the table's default there): the same two launches with wgmma and TMA.
+
 Decode: grid (row, value head, V tile), state tile [dk, BV] read from the pool
 slot, updated, written back in place (input_output_aliases).
 
@@ -219,19 +222,18 @@ def _intra_kernel(start_ref, len_ref, k_ref, g_ref, b_ref, m_ref, gam_ref, *,
     diff = jnp.where(strict, gam[:, None] - gam[None, :], 0.0)
     A = jnp.where(strict, kk * jnp.exp(diff) * beta[:, None], 0.0)
 
-    eye = jnp.where(ri == ci, 1.0, 0.0).astype(jnp.float32)
     if inverse == "subst":
         # forward substitution: T[i,:] = e_i - sum_{j<i} A[i,j] T[j,:]
+        eye = jnp.where(ri == ci, 1.0, 0.0).astype(jnp.float32)
+
         def body(i, T):
             a_i = jnp.sum(jnp.where(ri == i, A, 0.0), axis=0)  # row i of A, [L]
             new = jnp.where(pos == i, 1.0, 0.0) - jnp.sum(a_i[:, None] * T, axis=0)
             return jnp.where(ri == i, new[None, :], T)
 
         T = lax.fori_loop(1, L, body, eye)
-    elif inverse == "doubling":
+    else:  # "doubling" (gdn_prefill_pallas checked the name)
         T = _doubling_inverse(A, ri, ci, _inv_prec(mm_dtype))
-    else:
-        raise ValueError(f"unknown inverse {inverse!r}")
     m_ref[c, h, :, :] = (T * beta[None, :]).astype(m_ref.dtype)
     gam_ref[c, h, :] = gam
 
@@ -321,6 +323,11 @@ def _pad_rows(x, n):
     return jnp.concatenate([x, jnp.zeros((n,) + x.shape[1:], x.dtype)], 0)
 
 
+# config keys that only the Triton kernels read
+_TRITON_KEYS = {"bv", "intra_warps", "intra_stages", "main_warps", "main_stages", "inverse",
+                "mode", "m_dtype"}
+
+
 def gdn_prefill_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
                        cu_seqlens=None, output_final_state=True,
                        use_qk_l2norm=False, interpret=False, config=None,
@@ -332,7 +339,13 @@ def gdn_prefill_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
     scale = _default_scale(scale, dk)
     cfg = dict(gdn_prefill_config(dv))
     if config:
+        if "main" not in config and set(config) & _TRITON_KEYS and cfg["main"] != "triton":
+            raise ValueError(f"config {config} sets keys of the Triton kernels while this "
+                             f"platform's default is main={cfg['main']!r}: add "
+                             f"main='triton'")
         cfg.update(config)
+    if cfg["inverse"] not in ("subst", "doubling", "block32"):
+        raise ValueError(f"unknown inverse {cfg['inverse']!r}")
     bv = min(cfg["bv"], dv)
     if dv % bv:
         bv = dv
@@ -347,8 +360,8 @@ def gdn_prefill_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
     # tiles on the GPU; float32 inputs (IEEE fp32 products), other head sizes and
     # interpret mode keep the Triton ones.
     from . import mgpu
-    if cfg["main"] == "mgpu" and not interpret and mgpu.takes(q, v, cfg["bv_mgpu"]):
-        out = mgpu.gdn_prefill_mgpu(qf, kf, vf, gf, bf, cu, N, initial_state, scale=scale,
+    if cfg["main"] == "mgpu" and not interpret and mgpu.takes(q, k, v, cfg["bv_mgpu"]):
+        out = mgpu.gdn_prefill_mgpu(qf, kf, vf, gf, bf, cu, initial_state, scale=scale,
                                     use_qk_l2norm=use_qk_l2norm, bv=cfg["bv_mgpu"],
                                     only_intra=_only_intra)
         if _only_intra:
