@@ -228,8 +228,41 @@ def test_block_pool_hands_out_consecutive_runs_after_churn():
     pool.free(reqs[0][1:2])  # and 1
     assert pool.allocate(3) == [3, 4, 5]  # the lowest run that fits, not 1 + 3-4
     assert pool.allocate(1) == [1]
-    assert pool.allocate(4) == [9, 10, 11, 15]  # no run of 4: the lowest free blocks
+    assert pool.allocate(4) == [9, 10, 11, 15]  # no run of 4: the longest runs first
     assert pool.num_free == 0
+
+
+def _runs(ids):
+    return 1 + sum(b != a + 1 for a, b in zip(ids, ids[1:]))
+
+
+def test_block_pool_best_fit_then_fewest_runs():
+    pool = BlockPool(16)
+    held = pool.allocate(16)
+    pool.free([0, 2] + held[4:9] + held[10:13])  # free runs: 0 | 2 | 4-8 | 10-12
+    assert pool.allocate(3) == [10, 11, 12]  # the shortest run that holds 3, not 4-6
+    got = pool.allocate(6)  # no run of 6: 4-8 and one more, not the lowest 0, 2, 4-7
+    assert sorted(got) == [0, 4, 5, 6, 7, 8] and _runs(got) == 2
+    assert pool.allocate(1) == [2]
+    assert pool.num_free == 0
+
+
+def test_block_pool_runs_under_random_churn():
+    """Every allocation is as few runs as the free blocks allow at that moment."""
+    rng = np.random.default_rng(0)
+    pool, held = BlockPool(256), []
+    for _ in range(400):
+        if held and (pool.num_free < 40 or rng.random() < 0.5):
+            pool.free(held.pop(rng.integers(len(held))))
+            continue
+        n = int(rng.integers(1, 40))
+        free = sorted(pool.free_ids())
+        cuts = [i for i in range(1, len(free)) if free[i] != free[i - 1] + 1]
+        lengths = sorted(np.diff([0] + cuts + [len(free)]).tolist(), reverse=True)
+        fewest = int(np.searchsorted(np.cumsum(lengths), n)) + 1
+        ids = pool.allocate(n)
+        assert len(set(ids)) == n and _runs(ids) == fewest
+        held.append(ids)
 
 
 def test_idle_timer_counts_device_busy_and_idle_time():
