@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .._mgpu import load, store_rows, wgmma_transforms
-from .reference import CHUNK
+from .reference import CHUNK, l2norm
 
 
 def block_table(cu, total_tokens: int):
@@ -72,17 +72,11 @@ def _per_block(x, tab):
     return jnp.where(keep[..., None], x[idx], 0.0).transpose(0, 2, 1)
 
 
-def _l2norm_rows(x):
-    """x / sqrt(sum x^2 + 1e-6) over the last axis, in fp32, back in x's dtype."""
-    xf = x.astype(jnp.float32)
-    return (xf * lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + 1e-6)).astype(x.dtype)
-
-
 def takes(q, k, v, bv: int) -> bool:
     """Whether these kernels take q, k [.., dk] and v [.., dv]: one 16-bit dtype; dk
     and dv multiples of the V tile bv, itself 128 bytes (every wgmma operand row here
     is one 128-byte swizzle row); dk at most 128 (the sequential launch's SMEM, ~193
-    KB at dk 128, passes the 227 KB limit from dk 192)."""
+    KB at dk 128, exceeds the 227 KB limit from dk 192)."""
     dk, dv = q.shape[-1], v.shape[-1]
     return (q.dtype == k.dtype == v.dtype and q.dtype in (jnp.bfloat16, jnp.float16)
             and bv * q.dtype.itemsize == 128 and dk % bv == 0 and dv % bv == 0
@@ -97,7 +91,7 @@ def gdn_prefill_mgpu(q, k, v, g, beta, cu, initial_state, *, scale: float,
     intra launch's (M, gamma), for timing it alone."""
     T = q.shape[0]
     if use_qk_l2norm:  # once here, not once per V tile in the sequential launch
-        q, k = _l2norm_rows(q), _l2norm_rows(k)
+        q, k = (l2norm(x.astype(jnp.float32)).astype(x.dtype) for x in (q, k))
     pad = -T % 8  # TMA tiles the token axis of q, k, v and o by 8 rows
     if pad:
         q, k, v = (jnp.pad(x, ((0, pad), (0, 0), (0, 0))) for x in (q, k, v))
@@ -128,8 +122,8 @@ def chunk_pass_mgpu(cu, seq_first, seq_nchunks, q, k, v, m, gam, init, *,
     dt = q.dtype
     item = jnp.dtype(dt).itemsize
     if not takes(q, k, v, bv):
-        raise ValueError(f"the V tile bv={bv} must be 128 bytes of one 16-bit dtype "
-                         f"(q {q.dtype}, v {v.dtype}) and divide dv={dv} and dk={dk}")
+        raise ValueError(f"q, k, v ({q.dtype}, {k.dtype}, {v.dtype}), dk={dk}, dv={dv} "
+                         f"and bv={bv} are not shapes these kernels take (see takes)")
     has_init = init is not None
     wg = plgpu.Layout.WGMMA
     row_vec, col_vec = wg.reduce(1), wg.reduce(0)

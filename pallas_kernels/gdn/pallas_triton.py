@@ -48,6 +48,7 @@ try:  # Pallas Triton backend (deprecated from jax 0.11, still shipped)
 except Exception:  # pragma: no cover
     plt = None
 
+from . import mgpu
 from .reference import CHUNK, chunk_table, normalize_cu_seqlens, _check_shapes, _default_scale
 
 _HI = lax.Precision.HIGHEST
@@ -359,7 +360,6 @@ def gdn_prefill_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
     # The Mosaic GPU kernels (gdn/mgpu.py) take 16-bit operands of whole 64-element
     # tiles on the GPU; float32 inputs (IEEE fp32 products), other head sizes and
     # interpret mode keep the Triton ones.
-    from . import mgpu
     if cfg["main"] == "mgpu" and not interpret and mgpu.takes(q, k, v, cfg["bv_mgpu"]):
         out = mgpu.gdn_prefill_mgpu(qf, kf, vf, gf, bf, cu, initial_state, scale=scale,
                                     use_qk_l2norm=use_qk_l2norm, bv=cfg["bv_mgpu"],
