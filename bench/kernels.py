@@ -2,13 +2,14 @@
 the paged-attention part (bench/attention_kernels.py, ``--parts attention``) shares.
 
     python -m bench.kernels [--quick] [--parts check,prefill,decode,conv,attention]
-                            [--variants] [--prefill-configs JSON] [--no-fla] [--out DIR]
+                            [--variants [--profile]] [--prefill-configs JSON] [--no-fla]
+                            [--out DIR]
 
 Order: environment, ceilings (copy bandwidth, bf16 matmul, measured here),
 float64-oracle checks of every Pallas kernel on the GPU, then for each shape
 our kernel and FLA (``fla.ops.gated_delta_rule``) on the same inputs: a
 correctness comparison first, then the timings.  JAX timings: median over
-reps of (n back-to-back calls / n), n chosen so a sample lasts >= 2 ms; FLA:
+reps of (n back-to-back calls / n), n chosen so a sample lasts >= 20 ms; FLA:
 ``triton.testing.do_bench`` median.  Results are printed as a table and
 written as JSON to --out (default $OUT or ./out).
 """
@@ -40,6 +41,7 @@ RESULTS: dict = {"rows": [], "checks": [], "errors": []}
 OUTDIR = None
 BACKEND = "pallas"  # --backend interpret: CPU dry run of this script
 TINY = False
+PROFILE = False  # --profile: per-kernel breakdown of each prefill variant
 
 
 def log(*a):
@@ -56,8 +58,11 @@ def block(x):
     jax.tree_util.tree_map(lambda a: a.block_until_ready() if hasattr(a, "block_until_ready") else a, x)
 
 
-def time_jax(call, reps=30, min_sample_s=2e-3):
-    """call() dispatches one run and returns its outputs."""
+def time_jax(call, reps=15, min_sample_s=20e-3):
+    """call() dispatches one run and returns its outputs. A sample of n calls lasts
+    >= 20 ms so the host's dispatch and the final sync, which the device waits
+    through, add under a few percent (with 2 ms samples they added ~0.3 ms to a 1 ms
+    prefill: bench/RESULTS.md, prefill run 6)."""
     block(call())
     t0 = time.perf_counter()
     block(call())
@@ -80,6 +85,19 @@ def time_torch(fn):
     import triton
     triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
     return triton.testing.do_bench(fn, warmup=25, rep=300, return_mode="median")
+
+
+def kernel_breakdown(call, label, n=10):
+    """Per-kernel device time of one call (the mean of n traced calls): tells the intra
+    launch from its XLA prologue and the sequential launch."""
+    from bench.profile import difference, kernel_times, table
+
+    block(call())
+    res = kernel_times(lambda: block([call() for _ in range(n)]))
+    res = difference(res, {"wall_s": 0.0, "busy_s": 0.0, "kernels": {}}, n)
+    log(f"  kernels of {label}, per call:")
+    log(table(res, top=12))
+    return res["busy_s"] * 1e3
 
 
 # ----------------------------------------------------------------------------
@@ -324,9 +342,9 @@ def prefill_bench(quick, variants, use_fla):
         cuj = jnp.asarray(cu)
         nbytes = T * (2 * Hk * dk * 2 + 2 * Hv * dv * 2 + 2 * Hv * 4) + len(lens) * Hv * dk * dv * 4
         cfgs = [None]
-        if variants and si == 0:
+        if variants and (si == 0 or quick):  # --quick --variants: every config at both shapes
             cfgs = PREFILL_CFGS
-        if best_cfg is not None:
+        elif best_cfg is not None:
             cfgs = [best_cfg]
         ours_best = None
         for cfg in cfgs:
@@ -338,12 +356,15 @@ def prefill_bench(quick, variants, use_fla):
                 row("prefill", shape, label, ms, T, Hv, nbytes, extra=dict(spread=spread, cfg=cfg))
                 if ours_best is None or ms < ours_best[0]:
                     ours_best = (ms, cfg, f)
-                if variants and si == 0:
+                if variants and (si == 0 or quick):
                     fi = jax.jit(lambda c, *a, _cfg=cfg: gdn_prefill_pallas(
                         *a, cu_seqlens=c, use_qk_l2norm=True, _only_intra=True,
                         interpret=(BACKEND == "interpret"), config=_cfg))
                     ms_i, _ = time_jax(lambda: fi(cuj, q, k, v, g, beta))
                     row("prefill", shape, "intra launch only " + _cfgs(cfg), ms_i)
+                    if PROFILE:
+                        RESULTS["rows"][-2]["device_ms"] = kernel_breakdown(
+                            lambda: f(cuj, q, k, v, g, beta), label)
             except Exception as e:  # noqa: BLE001
                 log(f"  {label} FAILED: {repr(e)[:3000]}")
                 RESULTS["errors"].append((shape + " " + label, traceback.format_exc()[-6000:]))
@@ -387,6 +408,9 @@ def prefill_bench(quick, variants, use_fla):
                           oracle.rel_err(_f64(fin_ours), f_f.float().cpu().numpy().astype(np.float64)), 2e-2)
                 ms_f = time_torch(fcall)
                 row("prefill", shape, "FLA chunk_gated_delta_rule", ms_f, T, Hv, nbytes)
+                if PROFILE and variants and (si == 0 or quick):
+                    RESULTS["rows"][-1]["device_ms"] = kernel_breakdown(
+                        lambda: (fcall(), torch.cuda.synchronize()), "FLA")
                 if ours_best is not None:
                     RESULTS["rows"][-1]["fla_over_ours"] = ms_f / ours_best[0]
                     log(f"  => FLA / ours = {ms_f / ours_best[0]:.2f}x")
@@ -542,6 +566,8 @@ def summary():
             s += f" {r['ns_tok_head']:6.3f} ns/t/h {r['tflops']:5.0f} TF/s"
         if "GBps" in r:
             s += f" {r['GBps']:6.0f} GB/s {r.get('frac_copy_bw', 0) * 100:3.0f}%"
+        if "device_ms" in r:
+            s += f" (device busy {r['device_ms']:.4f} ms)"
         if "fla_over_ours" in r:
             s += f" FLA/ours {r['fla_over_ours']:.2f}x"
         log(s)
@@ -558,12 +584,14 @@ def main(argv=None):
     ap.add_argument("--prefill-configs", type=json.loads, default=None,
                     help='JSON list of prefill configs to check and time (null = default)')
     ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--profile", action="store_true",
+                    help="with --variants: per-kernel device time of each prefill config")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--backend", default="pallas", help="interpret: CPU dry run")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU dry run)")
     a = ap.parse_args(argv)
-    global BACKEND, TINY, PREFILL_CFGS
-    BACKEND, TINY = a.backend, a.tiny
+    global BACKEND, TINY, PREFILL_CFGS, PROFILE
+    BACKEND, TINY, PROFILE = a.backend, a.tiny, a.profile
     if a.prefill_configs is not None:
         PREFILL_CFGS = a.prefill_configs
     OUTDIR = a.out

@@ -75,8 +75,10 @@ def _per_block(x, tab):
 def takes(q, k, v, bv: int) -> bool:
     """Whether these kernels take q, k [.., dk] and v [.., dv]: one 16-bit dtype; dk
     and dv multiples of the V tile bv, itself 128 bytes (every wgmma operand row here
-    is one 128-byte swizzle row); dk at most 128 (the sequential launch's SMEM, ~193
-    KB at dk 128, exceeds the 227 KB limit from dk 192)."""
+    is one 128-byte swizzle row; at bv 32, 64-byte rows, the sequential launch passed
+    the interpreter but hit a misaligned address on the GPU: bench/RESULTS.md, prefill
+    run 6); dk at most 128 (the sequential launch's SMEM, ~193 KB at dk 128, exceeds
+    the 227 KB limit from dk 192)."""
     dk, dv = q.shape[-1], v.shape[-1]
     return (q.dtype == k.dtype == v.dtype and q.dtype in (jnp.bfloat16, jnp.float16)
             and bv * q.dtype.itemsize == 128 and dk % bv == 0 and dv % bv == 0
@@ -129,7 +131,7 @@ def chunk_pass_mgpu(cu, seq_first, seq_nchunks, q, k, v, m, gam, init, *,
     row_vec, col_vec = wg.reduce(1), wg.reduce(0)
     tr = wgmma_transforms(bv, item)  # 128 B swizzle rows for every wgmma operand
 
-    def body(cu_g, first_g, nch_g, q_g, k_g, v_g, m_g, gam_g, *rest):
+    def gdn_chunk_mgpu(cu_g, first_g, nch_g, q_g, k_g, v_g, m_g, gam_g, *rest):
         if has_init:
             init_g, *rest = rest
         (o_g, fin_g, q_s, k_s, v_s, m_s, g_s, s_s, w_s, vd_s, vp_s, p_s, o_t, o_s, f_s,
@@ -272,24 +274,24 @@ def chunk_pass_mgpu(cu, seq_first, seq_nchunks, q, k, v, m, gam, init, *,
         plgpu.wait_smem_to_gmem(0)
 
     scratch = [
-        plgpu.SMEM((2, CHUNK, dk), dt, transforms=tr),       # q
-        plgpu.SMEM((2, CHUNK, dk), dt, transforms=tr),       # k
+        plgpu.SMEM((2, CHUNK, dk), dt, transforms=tr),        # q
+        plgpu.SMEM((2, CHUNK, dk), dt, transforms=tr),        # k
         plgpu.SMEM((2, CHUNK, bv), dt, transforms=tr),        # v tile
         plgpu.SMEM((2, CHUNK, CHUNK), dt, transforms=tr),     # M
-        plgpu.SMEM((2, CHUNK), jnp.float32),                   # gamma
+        plgpu.SMEM((2, CHUNK), jnp.float32),                  # gamma
         plgpu.SMEM((dk, bv), dt, transforms=tr),              # S, 16-bit copy
         plgpu.SMEM((CHUNK, bv), dt, transforms=tr),           # V - e^gamma K S
         plgpu.SMEM((CHUNK, bv), dt, transforms=tr),           # Vd
         plgpu.SMEM((CHUNK, bv), dt, transforms=tr),           # V'
         plgpu.SMEM((CHUNK, CHUNK), dt, transforms=tr),        # P
-        plgpu.SMEM((CHUNK, bv), v.dtype, transforms=tr),       # output, whole chunk
-        plgpu.SMEM((CHUNK, bv), v.dtype),                      # output, last rows
-        plgpu.SMEM((dk, bv), jnp.float32),                     # state in / out
-        plgpu.Barrier(num_arrivals=5, num_barriers=2),         # a chunk's five copies
-        plgpu.Barrier(),                                       # the initial state
+        plgpu.SMEM((CHUNK, bv), v.dtype, transforms=tr),      # output, whole chunk
+        plgpu.SMEM((CHUNK, bv), v.dtype),                     # output, last rows
+        plgpu.SMEM((dk, bv), jnp.float32),                    # state in / out
+        plgpu.Barrier(num_arrivals=5, num_barriers=2),        # a chunk's five copies
+        plgpu.Barrier(),                                      # the initial state
     ]
     kernel = plgpu.kernel(
-        body,
+        gdn_chunk_mgpu,
         out_type=(jax.ShapeDtypeStruct((T, Hv, dv), v.dtype),
                   jax.ShapeDtypeStruct((n_seq, Hv, dk, dv), jnp.float32)),
         scratch_types=scratch,
@@ -313,26 +315,25 @@ def intra_mgpu(start, lo, hi, k, gam, beta, *, ratio: int):
     T by recursive doubling of its diagonal blocks (``pallas_triton._doubling_inverse``,
     where the CPU tests check it): with D_s the block-diagonal part of T in blocks of
     s rows and B_s the part of A below the diagonal inside each 2s block, D_2s = D_s -
-    D_s B_s D_s (T_ba = -T_bb A_ba T_aa), s = 1, 2, ..., 32; every product is of
-    moderate entries. Products are tf32 wgmma, which reads both operands K-major, i.e.
-    forms X Y^T of two row-major SMEM matrices: the kernel carries D_s and D_s^T (A^T
-    comes from the symmetric K K^T) and gets Y^T = D^T B^T, then D Y = D (Y^T)^T and
-    (D Y)^T = Y^T D^T: two rounds a level."""
+    D_s (B_s D_s), s = 1, 2, ..., 32; every product is of moderate entries (|A_ij| <= 1).
+    D stays float32 in registers; the wgmma operands B, D and Y = B D are float16:
+    tf32's 10-bit mantissa at twice tf32's rate and half its SMEM, and a 16-bit wgmma
+    reads row-major right operands, so no transposes are carried (bench/RESULTS.md,
+    prefill run 6)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     _, _, dk = k.shape
     C, Hv, _ = gam.shape
-    dt = k.dtype
+    dt, f16 = k.dtype, jnp.float16
     wg = plgpu.Layout.WGMMA
     row_vec, col_vec = wg.reduce(1), wg.reduce(0)
-    tr16 = wgmma_transforms(CHUNK, jnp.dtype(dt).itemsize)
-    tr32 = wgmma_transforms(32, 4)
+    tr16 = wgmma_transforms(CHUNK, 2)
     full = lambda x: lax.broadcast_in_dim(x, (CHUNK, CHUNK), [0])
     cols = lambda x: lax.broadcast_in_dim(x, (CHUNK, CHUNK), [1])
 
-    def body(start_g, lo_g, hi_g, k_g, gam_g, beta_g, m_g, k_s, g_s, b_s, b_sm, d_sm,
-             dt_sm, yt_sm, m_s, bar):
+    def gdn_intra_mgpu(start_g, lo_g, hi_g, k_g, gam_g, beta_g, m_g, k_s, g_s, b_s, b_sm,
+                       d_sm, y_sm, m_s, bar):
         c = lax.axis_index("c")
         h = lax.axis_index("h")
 
@@ -350,53 +351,42 @@ def intra_mgpu(start, lo, hi, k, gam, beta, *, ratio: int):
             def _():
                 _zero_rows_outside(k_s, lo, hi)
 
-            def kkt(acc):
-                plgpu.wgmma(acc, k_s, k_s.transpose((1, 0)))
-                plgpu.wgmma_wait(0)
-                return acc[...]
-
-            kk = pl.run_scoped(kkt, plgpu.ACC((CHUNK, CHUNK)))
+            kk = pl.run_scoped(functools.partial(_mma, pairs=((k_s, k_s.transpose((1, 0))),)),
+                               plgpu.ACC((CHUNK, CHUNK)))[0]
             ri = plgpu.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0, layout=wg)
             ci = plgpu.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1, layout=wg)
             g_r, g_c = load(g_s, row_vec), load(g_s, col_vec)
             b_r, b_c = load(b_s, row_vec), load(b_s, col_vec)
-            d = full(g_r) - cols(g_c)
-            # A and A^T from the symmetric K K^T (the exponent is <= 0 where kept)
-            a = jnp.where(ri > ci, kk * full(b_r) * jnp.exp(jnp.where(ri > ci, d, 0.0)), 0.0)
-            at = jnp.where(ri < ci, kk * cols(b_c) * jnp.exp(jnp.where(ri < ci, -d, 0.0)),
-                           0.0)
-            eye = jnp.where(ri == ci, 1.0, 0.0)
-            # D_s: T's diagonal blocks of size s. D_2 = I - (A's 2x2 sub-diagonal).
-            sub = (ri // 2 == ci // 2)
-            dd, ddt = eye - jnp.where(sub, a, 0.0), eye - jnp.where(sub, at, 0.0)
+            below = ri > ci  # the exponent is <= 0 where kept
+            a = jnp.where(below, kk * full(b_r) * jnp.exp(jnp.where(below, full(g_r) - cols(g_c),
+                                                                    0.0)), 0.0)
+            # D_2 = I - (A's 2x2 sub-diagonal)
+            dd = jnp.where(ri == ci, 1.0, 0.0) - jnp.where(ri // 2 == ci // 2, a, 0.0)
             for blk in (2, 4, 8, 16, 32):
                 # B: A's block below the diagonal inside each 2*blk block
-                bm = jnp.where((ri // (2 * blk) == ci // (2 * blk)) & (ri // blk != ci // blk),
-                               a, 0.0)
-                b_sm[...] = bm
-                d_sm[...] = dd
-                dt_sm[...] = ddt
+                b_sm[...] = jnp.where((ri // (2 * blk) == ci // (2 * blk))
+                                      & (ri // blk != ci // blk), a, 0.0).astype(f16)
+                d_sm[...] = dd.astype(f16)
                 plgpu.commit_smem()
-                yt = pl.run_scoped(functools.partial(_xyt, pairs=((dt_sm, b_sm),)),
-                                   plgpu.ACC((CHUNK, CHUNK)))[0]  # Y^T = D^T B^T
-                yt_sm[...] = yt
+                y = pl.run_scoped(functools.partial(_mma, pairs=((b_sm, d_sm),)),
+                                  plgpu.ACC((CHUNK, CHUNK)))[0]  # Y = B D
+                y_sm[...] = y.astype(f16)
                 plgpu.commit_smem()
-                dy, dyt = pl.run_scoped(functools.partial(_xyt, pairs=(
-                    (d_sm, yt_sm), (yt_sm, d_sm))), *(plgpu.ACC((CHUNK, CHUNK)),) * 2)
-                dd, ddt = dd - dy, ddt - dyt
+                dd = dd - pl.run_scoped(functools.partial(_mma, pairs=((d_sm, y_sm),)),
+                                        plgpu.ACC((CHUNK, CHUNK)))[0]
             m_s[...] = (dd * cols(b_c)).astype(dt)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(m_s, m_g.at[c, h])
             plgpu.wait_smem_to_gmem(0)
 
     return plgpu.kernel(
-        body,
+        gdn_intra_mgpu,
         out_type=jax.ShapeDtypeStruct((C, Hv, CHUNK, CHUNK), dt),
         scratch_types=[
             plgpu.SMEM((CHUNK, dk), dt, transforms=tr16),        # k
             plgpu.SMEM((CHUNK,), jnp.float32),                   # gamma
             plgpu.SMEM((CHUNK,), jnp.float32),                   # beta
-            *(plgpu.SMEM((CHUNK, CHUNK), jnp.float32, transforms=tr32),) * 4,  # B D D^T Y^T
+            *(plgpu.SMEM((CHUNK, CHUNK), f16, transforms=tr16),) * 3,  # B, D, Y
             plgpu.SMEM((CHUNK, CHUNK), dt, transforms=tr16),     # M
             plgpu.Barrier(num_barriers=3),
         ],
@@ -407,12 +397,11 @@ def intra_mgpu(start, lo, hi, k, gam, beta, *, ratio: int):
     )(start, lo, hi, k, gam, beta)
 
 
-def _xyt(*accs, pairs):
-    """accs[i] = x_i y_i^T for the row-major SMEM pairs (x_i, y_i): a tf32 wgmma reads
-    both operands K-major."""
+def _mma(*accs, pairs):
+    """accs[i] = x_i y_i for the SMEM pairs (x_i, y_i), one wgmma group."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
     for acc, (x, y) in zip(accs, pairs):
-        plgpu.wgmma(acc, x, y.transpose((1, 0)))
+        plgpu.wgmma(acc, x, y)
     plgpu.wgmma_wait(0)
     return [acc[...] for acc in accs]
 
