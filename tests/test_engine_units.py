@@ -262,7 +262,10 @@ def test_block_pool_runs_under_random_churn():
         fewest = int(np.searchsorted(np.cumsum(lengths), n)) + 1
         ids = pool.allocate(n)
         assert len(set(ids)) == n and _runs(ids) == fewest
+        assert set(ids) <= set(free)  # only free blocks handed out
         held.append(ids)
+        assert pool.free_ids() == set(range(256)) - {b for h in held for b in h}
+        assert pool.num_free == len(pool.free_ids())
 
 
 def test_idle_timer_counts_device_busy_and_idle_time():
