@@ -21,7 +21,6 @@ import logging
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,15 +28,10 @@ import time
 import httpx
 
 from serving.api.server import parser as server_parser
+from serving.ports import free_port
 
 log = logging.getLogger("serving")
 GRACE_SECONDS = 5  # uvicorn waits this long for open streams on shutdown
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # Flags of the launcher alone: the aggregated server (``python -m serving.api``) has none.

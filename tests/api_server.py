@@ -7,7 +7,6 @@ every test module of a session the same server, so it compiles once.
 """
 
 import atexit
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ from dataclasses import dataclass
 import uvicorn
 
 from serving.api.server import build, parser
+from serving.ports import free_port
 
 MAX_MODEL_LEN, MAX_NUM_SEQS, NUM_BLOCKS, MAX_LOGPROBS = 256, 8, 128, 5
 FLAGS = ["--model", "tiny", "--max-model-len", str(MAX_MODEL_LEN),
@@ -46,12 +46,6 @@ class Running:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(extra_flags=()) -> Running:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 
@@ -17,6 +16,7 @@ import pytest
 
 from bench.load import arrivals, dataset, length_bounds
 from bench.report import greedy_agreement
+from serving.ports import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -67,23 +67,10 @@ def test_dataset_draws_uniformly_within_the_bounds(convention, ratio):
     assert data == dataset(4000, 40, 20, ratio, convention, vocab_size=100, seed=[0, 1])
 
 
-def _free_port_pair() -> int:
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + 1))
-                return port
-            except OSError:
-                continue
-
-
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    port = _free_port_pair()
+    port = free_port(span=2)
     args = ["--input-len", "64", "--output-len", "8", "--range-ratio", "0.5", "--ignore-eos",
             "--concurrency", "1", "3", "--num-prompts", "4", "--compare-aggregated",
             "--port", str(port), "--result-dir", str(out), "--startup-timeout", "600",

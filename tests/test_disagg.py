@@ -21,20 +21,13 @@ import pytest
 
 from serving.engine import SamplingParams
 from serving.router import Router, WorkerFailed
+from serving.ports import free_port
 
 FLAGS = ["--model", "tiny", "--max-num-seqs", "16", "--max-num-batched-tokens", "256",
          "--max-model-len", "512", "--block-size", "16", "--prefill-token-buckets", "64,256",
          "--prefill-seq-buckets", "16", "--decode-seq-buckets", "16", "--max-logprobs", "0",
          "--transfer-timeout", "40", "--lease-ttl", "60", "--enable-fault-injection",
          "--log-level", "warning"]
-
-
-def _free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Stack:
@@ -53,7 +46,7 @@ class Stack:
         self.wait()
 
     def start(self, role, launch=("-m", "serving.worker"), env=None):
-        port = _free_port()
+        port = free_port()
         url = f"http://127.0.0.1:{port}"
         self.procs[url] = subprocess.Popen(
             [sys.executable, *launch, "--role", role, "--port", str(port), *FLAGS],

@@ -25,10 +25,11 @@ import sys
 import httpx
 import pytest
 from host_devices import child_records
-from test_disagg import Stack, _free_port, pools_full, prompts, run_all
+from test_disagg import Stack, pools_full, prompts, run_all
 
 from serving.engine import SamplingParams
 from serving.router import Router
+from serving.ports import free_port
 
 LIMITS = {"max_num_seqs": 8, "max_num_batched_tokens": 128, "max_model_len": 256,
           "block_size": 16, "num_blocks": 128}
@@ -52,7 +53,7 @@ class MeshStack(Stack):
         self.wait()
 
     def start(self, role, mesh):
-        port = _free_port()
+        port = free_port()
         url = f"http://127.0.0.1:{port}"
         self.procs[url] = subprocess.Popen(
             [sys.executable, "-m", "serving.worker", "--role", role, "--port", str(port),
