@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,16 +15,12 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from serving.ports import free_port
 
 
 @pytest.fixture(scope="module")
 def server():
-    port = _port()
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "serving", "--model", "tiny", "--port", str(port),
          "--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--max-model-len", "256",
