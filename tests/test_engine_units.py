@@ -232,6 +232,20 @@ def test_block_pool_hands_out_consecutive_runs_after_churn():
     assert pool.num_free == 0
 
 
+def test_block_pool_failed_free_changes_nothing():
+    pool = BlockPool(8)
+    a = pool.allocate(2)
+    with pytest.raises(ValueError, match="double free of block 5"):
+        pool.free([a[0], 5])  # 5 is not held: a[0] must stay held too
+    assert pool.num_free == 6 and pool.ref_count(a[0]) == 1
+    assert pool.free_ids() == set(range(8)) - set(a)
+    pool.incref(a[:1])
+    pool.free([a[0], a[0], a[1]])  # both owners of a[0] at once
+    assert pool.num_free == 8 and pool.free_ids() == set(range(8))
+    with pytest.raises(ValueError):
+        pool.incref([0])
+
+
 def _runs(ids):
     return 1 + sum(b != a + 1 for a, b in zip(ids, ids[1:]))
 

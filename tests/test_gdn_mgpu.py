@@ -175,3 +175,28 @@ def test_triton_keys_without_main_are_refused_where_mosaic_is_the_default(monkey
     gb = jnp.zeros((1, 8, 1), jnp.float32)
     with pytest.raises(ValueError, match="main='triton'"):
         pallas_triton.gdn_prefill_pallas(x, x, x, gb, gb, config=dict(inverse="doubling"))
+
+
+@pytest.mark.parametrize("l2norm", [True, False])
+def test_mosaic_path_only_for_keys_it_normalises(monkeypatch, l2norm):
+    """The float16 inverse needs unit keys: without the op's own l2norm the Triton
+    kernels run (here: traced, not run, with the Mosaic entry replaced by a marker)."""
+    from pallas_kernels import tuning
+    from pallas_kernels.gdn import pallas_triton
+
+    class Taken(Exception):
+        pass
+
+    def mosaic(*a, **k):
+        raise Taken
+
+    monkeypatch.setattr(tuning, "gpu_arch", lambda: "sm90")
+    monkeypatch.setattr(mgpu, "gdn_prefill_mgpu", mosaic)
+    x = jax.ShapeDtypeStruct((1, 64, 1, 64), jnp.bfloat16)
+    gb = jax.ShapeDtypeStruct((1, 64, 1), jnp.float32)
+    f = lambda *a: pallas_triton.gdn_prefill_pallas(*a, use_qk_l2norm=l2norm)
+    if l2norm:
+        with pytest.raises(Taken):
+            jax.eval_shape(f, x, x, x, gb, gb)
+    else:
+        jax.eval_shape(f, x, x, x, gb, gb)

@@ -315,11 +315,13 @@ def intra_mgpu(start, lo, hi, k, gam, beta, *, ratio: int):
     T by recursive doubling of its diagonal blocks (``pallas_triton._doubling_inverse``,
     where the CPU tests check it): with D_s the block-diagonal part of T in blocks of
     s rows and B_s the part of A below the diagonal inside each 2s block, D_2s = D_s -
-    D_s (B_s D_s), s = 1, 2, ..., 32; every product is of moderate entries (|A_ij| <= 1).
-    D stays float32 in registers; the wgmma operands B, D and Y = B D are float16:
-    tf32's 10-bit mantissa at twice tf32's rate and half its SMEM, and a 16-bit wgmma
-    reads row-major right operands, so no transposes are carried (bench/RESULTS.md,
-    prefill run 6)."""
+    D_s (B_s D_s), s = 1, 2, ..., 32. D stays float32 in registers; the wgmma operands
+    B, D and Y = B D are float16: tf32's 10-bit mantissa at twice tf32's rate and half
+    its SMEM, and a 16-bit wgmma reads row-major right operands, so no transposes are
+    carried (bench/RESULTS.md, prefill run 6). float16's range needs unit keys: then
+    |A_ij| <= beta_i, and with beta <= 2 T's entries stayed under ~2 in simulation; keys
+    of norm 5 overflow it. So the dispatch takes this path only where the op normalises
+    q and k itself (``use_qk_l2norm``, as the model does)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 

@@ -358,9 +358,11 @@ def gdn_prefill_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
     gf = g.reshape(TT, Hv).astype(jnp.float32)
     bf = beta.reshape(TT, Hv).astype(jnp.float32)
     # The Mosaic GPU kernels (gdn/mgpu.py) take 16-bit operands of whole 64-element
-    # tiles on the GPU; float32 inputs (IEEE fp32 products), other head sizes and
-    # interpret mode keep the Triton ones.
-    if cfg["main"] == "mgpu" and not interpret and mgpu.takes(q, k, v, cfg["bv_mgpu"]):
+    # tiles on the GPU, and unit keys (their inverse runs in float16); float32 inputs
+    # (IEEE fp32 products), other head sizes, keys not normalised here and interpret
+    # mode keep the Triton ones.
+    if (cfg["main"] == "mgpu" and not interpret and use_qk_l2norm
+            and mgpu.takes(q, k, v, cfg["bv_mgpu"])):
         out = mgpu.gdn_prefill_mgpu(qf, kf, vf, gf, bf, cu, initial_state, scale=scale,
                                     use_qk_l2norm=use_qk_l2norm, bv=cfg["bv_mgpu"],
                                     only_intra=_only_intra)

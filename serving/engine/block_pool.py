@@ -23,9 +23,10 @@ import bisect
 
 class BlockPool:
     """Free blocks are kept as runs (start -> length, end -> start) with an index of
-    run starts by length, so allocation and freeing cost O(runs touched), not a scan
-    of the pool: the decode loop allocates one block per sequence every `block_size`
-    tokens, and a scan of 65,536 blocks took ~0.1 ms a call (bench/RESULTS.md)."""
+    run starts by length (each list sorted, highest first, so the lowest start pops off
+    its end), so an allocation or a free touches the runs it takes or joins, not every
+    block: the decode loop allocates one block per sequence every `block_size` tokens,
+    and a scan of 65,536 blocks took ~0.1 ms a call (bench/RESULTS.md)."""
 
     def __init__(self, num_blocks: int):
         if num_blocks <= 0:
@@ -35,7 +36,7 @@ class BlockPool:
         self._num_free = 0
         self._run_at: dict[int, int] = {}      # free run start -> length
         self._run_ending: dict[int, int] = {}  # free run end (exclusive) -> start
-        self._starts_by_len: dict[int, set[int]] = {}
+        self._starts_by_len: dict[int, list[int]] = {}  # negated starts, ascending
         self._lengths: list[int] = []          # the keys of _starts_by_len, sorted
         self._add_run(0, num_blocks)
 
@@ -54,7 +55,7 @@ class BlockPool:
             # the shortest run that holds n; else the longest runs first; the lowest of
             # equal ones
             length = self._lengths[i] if i < len(self._lengths) else self._lengths[-1]
-            start = min(self._starts_by_len[length])
+            start = -self._starts_by_len[length][-1]
             take = min(n - len(ids), length)
             self._remove_run(start, length)
             if take < length:
@@ -65,21 +66,23 @@ class BlockPool:
         return ids
 
     def incref(self, ids: list[int]) -> None:
-        """Add an owner to blocks that are already held."""
+        """Add an owner to blocks that are already held; all or nothing."""
         for i in ids:
             if self._ref[i] <= 0:
                 raise ValueError(f"incref of free block {i}")
+        for i in ids:
             self._ref[i] += 1
 
     def free(self, ids: list[int]) -> None:
-        """Drop one owner; a block whose count reaches zero becomes allocatable."""
-        released = []
-        for i in ids:
+        """Drop one owner; a block whose count reaches zero becomes allocatable. All or
+        nothing: a block freed more often than it is held raises before any changes."""
+        for n, i in enumerate(ids):
             if self._ref[i] <= 0:
+                for j in ids[:n]:  # undo, so nothing changed
+                    self._ref[j] += 1
                 raise ValueError(f"double free of block {i}")
             self._ref[i] -= 1
-            if self._ref[i] == 0:
-                released.append(i)
+        released = {i for i in ids if self._ref[i] == 0}
         start = prev = -2  # each stretch of consecutive blocks joins its neighbours
         for b in sorted(released):
             if b != prev + 1:
@@ -114,15 +117,18 @@ class BlockPool:
         self._run_ending[start + length] = start
         starts = self._starts_by_len.get(length)
         if starts is None:
-            starts = self._starts_by_len[length] = set()
+            starts = self._starts_by_len[length] = []
             bisect.insort(self._lengths, length)
-        starts.add(start)
+        bisect.insort(starts, -start)
         self._num_free += length
 
     def _remove_run(self, start: int, length: int) -> None:
         del self._run_at[start], self._run_ending[start + length]
         starts = self._starts_by_len[length]
-        starts.discard(start)
+        if starts[-1] == -start:  # the lowest start: allocation's usual case
+            starts.pop()
+        else:
+            del starts[bisect.bisect_left(starts, -start)]
         if not starts:
             del self._starts_by_len[length]
             del self._lengths[bisect.bisect_left(self._lengths, length)]
