@@ -465,10 +465,13 @@ def _decode_kernel(slots_ref, q_ref, k_ref, v_ref, g_ref, b_ref, pool_in_ref,
     bt = b_ref[n, h].astype(jnp.float32)
     S = pool_ref[sc, h, :, pl.ds(v0, bv)].astype(jnp.float32)  # [dk, bv]
     S = S * jnp.exp(gv)
+    # both reductions over dk read the decayed state, so neither waits for the other:
+    # o = S'^T q = S^T q + vn (k . q), S' = S + k vn^T
     kv = jnp.sum(S * k[:, None], axis=0)
+    sq = jnp.sum(S * q[:, None], axis=0)
     vn = bt * (v - kv)
     S = S + k[:, None] * vn[None, :]
-    o = jnp.sum(S * q[:, None], axis=0)
+    o = sq + vn * jnp.sum(k * q)
     o_ref[n, h, pl.ds(v0, bv)] = jnp.where(valid, o, 0.0).astype(o_ref.dtype)
 
     @pl.when(valid)
