@@ -198,7 +198,7 @@ class AsyncEngine:
                 if self._tick is not None:
                     self._tick(self.engine)
                 self._stats = self._snapshot()
-                if self.engine.has_unfinished():
+                if self.engine.has_steps():
                     self._deliver(self.engine.step())
                     drained = False
                 elif not drained:

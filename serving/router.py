@@ -56,8 +56,7 @@ class RouterStream:
 
     def __init__(self, router: "Router", request_id: str, first: RequestOutput, decode):
         self.request_id = request_id
-        self._router, self._first, self._decode = router, first, decode
-        self._response = None
+        self._router, self._first, self._decode = router, first, decode  # decode: (url, response)
         self._closed = False
 
     def __aiter__(self):
@@ -67,11 +66,11 @@ class RouterStream:
         yield self._first
         if self._first.finished:
             return
-        url, self._response = self._decode
+        url, response = self._decode
         tokens = list(self._first.token_ids)
         logprobs = list(self._first.logprobs or [])
         try:
-            async for line in self._response.aiter_lines():
+            async for line in response.aiter_lines():
                 if not line:
                     continue
                 d = json.loads(line)
@@ -96,12 +95,14 @@ class RouterStream:
             await self.aclose()
 
     async def aclose(self) -> None:
+        """Close the decode stream (the worker then aborts the request) and drop its
+        load; also when the stream was never iterated (a sibling choice failed)."""
         if self._closed:
             return
         self._closed = True
-        if self._response is not None:
-            await self._response.aclose()
-            url = self._decode[0]
+        if self._decode is not None:
+            url, response = self._decode
+            await response.aclose()
             self._router.decode.load[url] -= 1
 
 

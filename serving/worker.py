@@ -66,6 +66,7 @@ from transfer import (Agent, Faults, ProgressThread, TransferManager, TransferPa
                       free_bytes, size_xla_pool)
 
 log = logging.getLogger("serving.worker")
+HEALTH_POLL = 1.0  # seconds between engine health checks while a request awaits its pull
 
 
 class TransferFailed(RuntimeError):
@@ -169,6 +170,8 @@ class Worker:
         Decoding starts as soon as the READ has landed, one ack round trip before the
         ack; the outputs wait on the future, so none computed from bytes the source had
         already reused (a "stale" ack) ever leave the worker."""
+        if request_id in self._confirmations:  # its entry is another request's
+            raise ValueError(f"duplicate request id {request_id}")
         loop = asyncio.get_running_loop()
         confirmed = loop.create_future()
         self._confirmations[request_id] = (confirmed, loop)
@@ -181,6 +184,16 @@ class Worker:
             self._confirmations.pop(request_id, None)
             raise
         return stream, confirmed
+
+    async def confirmation(self, confirmed: asyncio.Future) -> None:
+        """Await a pull's confirmation (``decode``). Only the engine thread resolves it
+        (``_tick``), so if that thread stops first this raises EngineDead instead of
+        waiting for ever."""
+        while not confirmed.done():
+            await asyncio.wait({confirmed}, timeout=HEALTH_POLL)
+            if not confirmed.done():
+                self.engine.check_health()
+        confirmed.result()
 
     def _confirm(self, request_id: str, error: BaseException | None = None) -> None:
         """Resolve the request's confirmation (engine thread); every pull ends here."""
@@ -259,10 +272,9 @@ class Worker:
             else:
                 error = TransferFailed(f"KV/state transfer failed ({c.error})")
                 self.engine.fail(request_id, error)
-                if started:
-                    eng.abort(request_id)
-                else:
-                    eng.finish_transfer(request_id, ok=True)
+                eng.abort(request_id)
+                if not started:  # the abort left its memory to the transfer: free it
+                    eng.finish_transfer(request_id, ok=False)
                 self._confirm(request_id, error)
 
     # ---- status -------------------------------------------------------------------------
@@ -388,7 +400,7 @@ def build_app(worker: Worker, *, fault_injection: bool = False) -> FastAPI:
 
             async def lines():
                 try:
-                    await confirmed
+                    await worker.confirmation(confirmed)
                     async for out in stream:
                         yield json.dumps(output_json(out)) + "\n"
                 except (TransferFailed, EngineDead) as e:

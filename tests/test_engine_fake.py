@@ -68,6 +68,17 @@ def test_batched_greedy_equals_alone(engine, async_scheduling, budget):
     assert engine.scheduler.num_preemptions > before  # the pool forced preemption
 
 
+def test_remote_request_ended_by_its_first_token_is_refused(engine):
+    """No step would ever report a request its first token already ends (EOS here,
+    max_tokens 1 below): refused at admission, its memory back at once."""
+    p = prompts(1, seed=7)[0]
+    with pytest.raises(ValueError, match="already ends the request"):
+        engine.add_remote_request(p, 0, SamplingParams(max_tokens=24, temperature=0))  # EOS
+    with pytest.raises(ValueError, match="already ends the request"):
+        engine.add_remote_request(p, 5, SamplingParams(max_tokens=1, temperature=0))
+    assert not engine.requests and engine.blocks.num_free == NUM_BLOCKS
+
+
 def test_eos_stop_ids_and_logprobs(engine):
     p = prompts(1, seed=3)[0]
     ref = reference_greedy(p, 30, VOCAB)
@@ -183,7 +194,13 @@ def test_500_random_requests_fenced_and_all_memory_returned(engine):
                                         top_k=int(rng.choice([0, 5])), seed=int(rng.integers(99)))
                     p = prompts(1, seed=n_added, hi=50)[0]
                     if rng.random() < 0.1:
-                        got = engine.add_remote_request(p, reference_next(p, VOCAB), sp)
+                        first = reference_next(p, VOCAB)
+                        if sp.max_tokens == 1 or first == 0:  # ends at once: refused
+                            with pytest.raises(ValueError, match="already ends"):
+                                engine.add_remote_request(p, first, sp)
+                            got = None
+                        else:
+                            got = engine.add_remote_request(p, first, sp)
                         if got:
                             transfers[got[0]] = (set(got[1]), {got[2]})
                     else:

@@ -24,6 +24,7 @@ Stale outputs (a request finished, aborted or preempted while a step holding
 it was in flight) are recognised by the request's epoch and dropped.
 """
 
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -112,8 +113,14 @@ class Engine:
         None if there is no room now. The request is not scheduled until
         `finish_transfer`; `first_token` is the token the prefill side sampled."""
         req = self._new_request(prompt_token_ids, params, request_id)
-        if not self.scheduler.begin_transfer(req):
+        # a request its first token already ends would never be reported by a step
+        reason, _ = check_stop(dataclasses.replace(req, output_token_ids=[first_token]),
+                               self.config, self.tokenizer)
+        if reason is not None or not self.scheduler.begin_transfer(req):
             del self.requests[req.request_id]
+            if reason is not None:
+                raise ValueError(f"first token {first_token} already ends the request "
+                                 f"({reason}): nothing to decode")
             return None
         self._append_token(req, first_token, None, time.perf_counter())
         return req.request_id, list(req.block_ids), req.slot
@@ -140,6 +147,12 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self._inflight)
+
+    def has_steps(self) -> bool:
+        """Whether `step` has anything to do: requests it can advance or steps in
+        flight. Requests that transfers are filling are unfinished but not steps: a
+        host loop waits for their transfers instead of stepping (spinning) meanwhile."""
+        return self.scheduler.has_steps() or bool(self._inflight)
 
     # ---- the loop -------------------------------------------------------
 

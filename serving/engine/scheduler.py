@@ -68,7 +68,12 @@ class Scheduler:
         self.waiting.append(req)
 
     def has_work(self) -> bool:
+        """Requests not finished: waiting, running, or being filled by a transfer."""
         return bool(self.waiting or self.running or self.transferring)
+
+    def has_steps(self) -> bool:
+        """Requests a step can advance (one a transfer is filling waits for its end)."""
+        return bool(self.waiting or self.running)
 
     def finish(self, req: Request, reason: str, stop_reason=None) -> None:
         """Finish or abort `req` in any state; its memory goes back through the

@@ -1,0 +1,113 @@
+"""Decode-worker bookkeeping without processes or NIXL: ``Worker._tick`` and
+``Worker.confirmation`` on a fake-model engine and stand-ins for the transfer manager
+(tests/test_disagg.py runs real workers)."""
+import asyncio
+import collections
+from types import SimpleNamespace
+
+import pytest
+from test_engine_fake_model import FakeBatch, FakeCache, FakeModel, reference_next
+
+from serving.async_engine import EngineDead
+from serving.engine import Engine, EngineConfig, SamplingParams
+from serving.engine.buckets import Buckets
+from serving import worker as worker_mod
+from transfer.manager import Completion, TransferError
+
+VOCAB, BLOCK, NUM_BLOCKS, SLOTS = 97, 4, 64, 4
+
+
+def _engine():
+    cfg = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64,
+                       block_size=BLOCK, num_blocks=NUM_BLOCKS, num_slots=SLOTS,
+                       eos_token_ids=(0,),
+                       buckets=Buckets(prefill_tokens=(32,), prefill_seqs=(4,), decode_seqs=(4,)))
+    return Engine(FakeModel(VOCAB), FakeCache.allocate(NUM_BLOCKS, BLOCK, SLOTS), cfg,
+                  batch_type=FakeBatch)
+
+
+@pytest.mark.parametrize("landed", [False, True])
+def test_failed_pull_frees_the_request_at_once(landed):
+    """A pull that fails (before or after its READ landed) ends the request with the
+    error and returns its blocks and slot: it never decodes from unwritten memory."""
+    eng = _engine()
+    prompt = [5, 6, 7, 8, 9, 10]
+    rid, _, _ = eng.add_remote_request(prompt, reference_next(prompt, VOCAB),
+                                       SamplingParams(max_tokens=8, temperature=0))
+    failed, confirmed = [], []
+    w = SimpleNamespace(
+        recompute=False, _pulls={7: rid}, _started=set(), counters=collections.Counter(),
+        transfer=SimpleNamespace(landed=lambda: [7] if landed else [], collect=lambda: []),
+        engine=SimpleNamespace(fail=lambda r, e: failed.append(r)),
+        _confirm=lambda r, e=None: confirmed.append((r, e)))
+    worker_mod.Worker._tick(w, eng)  # the READ landed (or not yet)
+    w.transfer = SimpleNamespace(landed=lambda: [], collect=lambda: [
+        Completion(7, "lease", TransferError("error", "injected"), 0, 0, 0.0)])
+    worker_mod.Worker._tick(w, eng)
+    assert failed == [rid] and confirmed[0][0] == rid
+    assert isinstance(confirmed[0][1], worker_mod.TransferFailed)
+    assert rid not in eng.requests and not eng.has_unfinished()
+    eng.fence.wait_all()
+    assert eng.blocks.num_free == NUM_BLOCKS and eng.slots.num_free == SLOTS
+    eng.close()
+
+
+def test_confirmation_wait_ends_when_the_engine_dies(monkeypatch):
+    """Only the engine thread resolves a pull's confirmation: if it has stopped, the
+    wait raises EngineDead instead of hanging."""
+    monkeypatch.setattr(worker_mod, "HEALTH_POLL", 0.01)
+
+    def dead():
+        raise EngineDead("engine stopped: boom")
+
+    async def run():
+        w = SimpleNamespace(engine=SimpleNamespace(check_health=dead))
+        fut = asyncio.get_running_loop().create_future()
+        await asyncio.wait_for(worker_mod.Worker.confirmation(w, fut), timeout=5)
+
+    with pytest.raises(EngineDead, match="boom"):
+        asyncio.run(run())
+
+
+def test_engine_loop_waits_while_only_transfers_are_pending():
+    """A request being filled by a transfer is no step's work: the host loop sleeps
+    until woken (the transfer's progress thread does it) instead of stepping in a
+    spin that takes the GIL from that thread."""
+    from serving.async_engine import AsyncEngine
+
+    eng = _engine()
+    steps = []
+    step = eng.step
+    eng.step = lambda: steps.append(1) or step()
+    aeng = AsyncEngine(eng)
+    prompt = [5, 6, 7, 8]
+    sp = SamplingParams(max_tokens=4, temperature=0)
+
+    async def run():
+        rid, _, _ = await aeng.call(
+            lambda e: e.add_remote_request(prompt, reference_next(prompt, VOCAB), sp))
+        await asyncio.sleep(0.3)
+        idle = len(steps)
+        await aeng.call(lambda e: e.finish_transfer(rid, ok=False))  # recompute it
+        while await aeng.call(lambda e: e.has_unfinished()):
+            await asyncio.sleep(0.01)
+        return idle
+
+    try:
+        assert asyncio.run(run()) <= 2  # at most the idle step that drains the fence
+        assert len(steps) > 2  # then it ran: prefill and decode steps
+    finally:
+        aeng.shutdown()
+        eng.close()
+
+
+def test_duplicate_request_id_on_decode_leaves_the_first_alone():
+    first = object()
+    w = SimpleNamespace(_confirmations={"r": first})
+
+    async def run():
+        await worker_mod.Worker.decode(w, "r", [1, 2], 3, SamplingParams(), {})
+
+    with pytest.raises(ValueError, match="duplicate request id r"):
+        asyncio.run(run())
+    assert w._confirmations == {"r": first}
