@@ -142,6 +142,19 @@ def test_pending_pull_extends_the_lease_until_it_ends(source, puller):
     assert log == [(params["lease"], "dropped")]  # freed at once, not at expiry
 
 
+def test_a_pull_started_late_in_its_lease_extends_it_at_once(source, puller):
+    log, on_free = freed_log()
+    params = source.pin(blocks([4]), on_free=on_free, ttl=1.0)
+    time.sleep(0.75)  # the pull starts with a quarter of the lease left
+    puller.faults.hang_next = 1
+    pid = puller.pull(params, blocks([4]), timeout=1.5)
+    end = time.monotonic() + 0.6  # past the lease's first expiry
+    drive(source, puller, until=lambda d: time.monotonic() > end)
+    assert not log and source.leases == 1
+    c = drive(source, puller, until=lambda d: pid in d and log)[pid]
+    assert c.error.kind == "timeout"
+
+
 def test_injected_transfer_error_is_reported_and_the_source_frees(source, puller):
     log, on_free = freed_log()
     params = source.pin(blocks([4]), on_free=on_free)

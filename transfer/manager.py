@@ -33,8 +33,9 @@ once the handshake is done:
   only afterwards, so "ok" proves the bytes stayed pinned for the whole READ. Only then
   is a pull complete: a lease that expired under a slow READ is reported as ``stale``
   instead of silently serving reused blocks (vLLM's failure mode);
-* while a pull is pending the puller sends ``extend <lease>`` every third of the lease's
-  TTL; the source pushes the expiry out by one TTL, measured on its own clock;
+* while a pull is pending the puller sends ``extend <lease>`` when it starts and every
+  third of the lease's TTL; the source pushes the expiry out by one TTL, measured on
+  its own clock;
 * a pull that fails sends ``drop <lease>`` so the source frees at once instead of at expiry.
 
 Failures arrive as completions within the pull's timeout (plus one poll): a NIXL error
@@ -317,8 +318,10 @@ class TransferManager:
     def _start(self, agent: str, lease: str, plan: descriptors.Plan, ttl: float, started: float,
                timeout: float) -> int:
         now = time.monotonic()
+        # the first extend goes out at once: the lease may be most of a TTL old already
+        # (a router retrying a busy decode worker), and the next only a third of one later
         p = _Pull(next(self._pull_ids), agent, lease, plan, ttl, started, now + timeout,
-                  now + ttl / 3, marks={"plan": now})
+                  now, marks={"plan": now})
         p.tag = f"{self._epoch}.{p.id}"
         self._pulls[p.id] = p
         if self.faults.fail_next > 0:
