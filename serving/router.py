@@ -8,7 +8,8 @@ least-loaded decode worker, which pulls the cache itself.  The router never
 touches cache memory; it only carries the parameters.
 
 Faults surface as errors on the affected request only: an unreachable or dying
-worker (connection error or timeout on the HTTP call) raises ``WorkerFailed``;
+worker (connection error or timeout on the HTTP call), or a decode worker refusing
+what a prefill worker accepted, raises ``WorkerFailed``;
 a decode worker that reports a failed transfer ends the stream with that
 message.  Closing a stream closes its HTTP call, which aborts the request on
 the worker.  Whatever the prefill side pinned is freed by its lease when no
@@ -185,7 +186,12 @@ class Router:
                 await response.aread()
                 await response.aclose()
                 self.decode.load[url] -= 1
-                _checked(response, url)
+                if response.status_code == 503:  # still full when the retries ran out
+                    raise EngineOverloaded(f"{url}: {_detail(response)}")
+                # the prefill worker accepted this request: a refusal here (say, stale
+                # params after a prefill restart) is the system's failure, not the client's
+                raise WorkerFailed(f"decode worker {url} refused the request "
+                                   f"({response.status_code}: {_detail(response)})")
             return url, response
 
     def _down(self) -> set[str]:
@@ -255,13 +261,17 @@ def _params_json(params: SamplingParams) -> dict:
     return dataclasses.asdict(params)
 
 
+def _detail(response: httpx.Response) -> str:
+    try:
+        return response.json().get("detail", response.text)
+    except ValueError:
+        return response.text
+
+
 def _checked(response: httpx.Response, url: str) -> dict:
     if response.status_code == 200:
         return response.json()
-    try:
-        detail = response.json().get("detail", response.text)
-    except ValueError:
-        detail = response.text
+    detail = _detail(response)
     if response.status_code == 400:
         raise ValueError(detail)
     if response.status_code == 503:

@@ -119,9 +119,14 @@ class Worker:
     async def prefill(self, request_id: str, prompt: list[int], params: SamplingParams) -> dict:
         """Prompt -> first token, plus transfer params when the request continues."""
         first = dataclasses.replace(params, max_tokens=1)
-        stream = await self.engine.add(
-            request_id, prompt, first,
-            submit=lambda eng: eng.add_request(prompt, first, request_id, hold_on_finish=True))
+        try:
+            stream = await self.engine.add(
+                request_id, prompt, first,
+                submit=lambda eng: eng.add_request(prompt, first, request_id,
+                                                   hold_on_finish=True))
+        except asyncio.CancelledError:  # admitted or not: no one would release its hold
+            await self.engine.call(lambda eng: _release_quietly(eng, request_id))
+            raise
         out = None
         try:
             async for out in stream:

@@ -111,3 +111,34 @@ def test_duplicate_request_id_on_decode_leaves_the_first_alone():
     with pytest.raises(ValueError, match="duplicate request id r"):
         asyncio.run(run())
     assert w._confirmations == {"r": first}
+
+
+def test_prefill_cancelled_during_admission_releases_its_hold():
+    """A prefill request is held after it finishes (for its lease); one whose caller
+    went away while it was being admitted must not stay held."""
+    from serving.async_engine import AsyncEngine
+
+    eng = _engine()
+    aeng = AsyncEngine(eng)
+    w = SimpleNamespace(engine=aeng)
+
+    async def run():
+        task = asyncio.ensure_future(worker_mod.Worker.prefill(
+            w, "p1", [5, 6, 7, 8], SamplingParams(max_tokens=4, temperature=0)))
+        await asyncio.sleep(0)  # the add is queued; the task waits for its admission
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(500):  # the abort and the release land within a few steps
+            if not await aeng.call(lambda e: e.has_unfinished() or bool(e.requests)):
+                break
+            await asyncio.sleep(0.01)
+        await aeng.call(lambda e: e.fence.wait_all())
+        return await aeng.call(lambda e: (list(e.requests), e.blocks.num_free,
+                                          e.slots.num_free))
+
+    try:
+        assert asyncio.run(run()) == ([], NUM_BLOCKS, SLOTS)
+    finally:
+        aeng.shutdown()
+        eng.close()
