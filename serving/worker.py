@@ -49,6 +49,7 @@ import logging
 import math
 import os
 import time
+import uuid
 
 import jax
 import jax.numpy as jnp
@@ -98,7 +99,9 @@ class Worker:
         self.compat = compat_record(cfg, cache, model_name)
         self.regions = {r.name: r for r in regions}
         engine = Engine(model, cache, config, batch_type=_batch_type())
-        self.agent = Agent(regions, name=f"{role}-{id(self):x}")
+        # unique across restarts: a peer keeps a known name's metadata, so a restarted
+        # worker must not come back under its old one (an object id can repeat)
+        self.agent = Agent(regions, name=f"{role}-{uuid.uuid4().hex}")
         self.transfer = TransferManager(self.agent, self.compat, host=host, port=transfer_port,
                                         lease_ttl=lease_ttl, faults=faults)
         self._pulls: dict[int, str] = {}  # pull id -> request id (engine thread only)
