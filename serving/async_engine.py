@@ -77,16 +77,19 @@ class RequestStream:
 
 class AsyncEngine:
     def __init__(self, engine: Engine, *, max_queued_requests: int = 1024,
-                 tick: Callable[[Engine], None] | None = None):
+                 tick: Callable[[Engine], None] | None = None,
+                 on_stop: Callable[[BaseException], None] | None = None):
         """`tick(engine)` runs on the engine thread before every iteration, and
         on an idle engine whenever `wake()` is called (the disaggregated worker
         collects transfer completions there, woken by its transfer progress
-        thread)."""
+        thread). `on_stop(error)` runs on the engine thread when it stops, after
+        every stream and pending command has been failed with `error`: for waiters
+        of the owner's own that only the engine thread would resolve."""
         self.engine = engine
         self.max_queued_requests = max_queued_requests
         self.max_model_len = engine.config.max_model_len
         self.max_logprobs = engine.config.max_logprobs
-        self._tick = tick
+        self._tick, self._on_stop = tick, on_stop
         self._inbox: deque = deque()
         self._wake = threading.Event()
         self._stopping = False
@@ -213,7 +216,10 @@ class AsyncEngine:
             self.error = e
         else:
             self.error = EngineDead("engine shut down")
-        self._fail_all(EngineDead(f"engine stopped: {self.error!r}"))
+        stopped = EngineDead(f"engine stopped: {self.error!r}")
+        self._fail_all(stopped)
+        if self._on_stop is not None:
+            self._on_stop(stopped)
 
     def _apply_commands(self) -> None:
         while self._inbox:

@@ -67,7 +67,6 @@ from transfer import (Agent, Faults, ProgressThread, TransferManager, TransferPa
                       free_bytes, size_xla_pool)
 
 log = logging.getLogger("serving.worker")
-HEALTH_POLL = 1.0  # seconds between engine health checks while a request awaits its pull
 
 
 class TransferFailed(RuntimeError):
@@ -114,7 +113,8 @@ class Worker:
         self.counters = {"transfers": 0, "transfer_bytes": 0, "transfer_seconds": 0.0,
                          "transfer_ack_seconds": 0.0, "transfer_descriptors": 0,
                          "transfer_failures": 0, "leases_expired": 0}
-        self.engine = AsyncEngine(engine, tick=self._tick)
+        # only the engine thread resolves confirmations (_tick): if it stops, they fail
+        self.engine = AsyncEngine(engine, tick=self._tick, on_stop=self._fail_confirmations)
         self.progress = ProgressThread(self.transfer, on_ready=self.engine.wake)
 
     # ---- prefill ------------------------------------------------------------------------
@@ -193,15 +193,10 @@ class Worker:
             raise
         return stream, confirmed
 
-    async def confirmation(self, confirmed: asyncio.Future) -> None:
-        """Await a pull's confirmation (``decode``). Only the engine thread resolves it
-        (``_tick``), so if that thread stops first this raises EngineDead instead of
-        waiting for ever."""
-        while not confirmed.done():
-            await asyncio.wait({confirmed}, timeout=HEALTH_POLL)
-            if not confirmed.done():
-                self.engine.check_health()
-        confirmed.result()
+    def _fail_confirmations(self, error: BaseException) -> None:
+        """The engine thread stopped: no pull will be confirmed (engine thread)."""
+        for request_id in list(self._confirmations):
+            self._confirm(request_id, error)
 
     def _confirm(self, request_id: str, error: BaseException | None = None) -> None:
         """Resolve the request's confirmation (engine thread); every pull ends here."""
@@ -408,7 +403,7 @@ def build_app(worker: Worker, *, fault_injection: bool = False) -> FastAPI:
 
             async def lines():
                 try:
-                    await worker.confirmation(confirmed)
+                    await confirmed
                     async for out in stream:
                         yield json.dumps(output_json(out)) + "\n"
                 except (TransferFailed, EngineDead) as e:

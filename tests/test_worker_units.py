@@ -52,21 +52,38 @@ def test_failed_pull_frees_the_request_at_once(landed):
     eng.close()
 
 
-def test_confirmation_wait_ends_when_the_engine_dies(monkeypatch):
-    """Only the engine thread resolves a pull's confirmation: if it has stopped, the
-    wait raises EngineDead instead of hanging."""
-    monkeypatch.setattr(worker_mod, "HEALTH_POLL", 0.01)
+def test_confirmation_wait_ends_when_the_engine_dies():
+    """Only the engine thread resolves a pull's confirmation: if it stops, the waiting
+    request gets EngineDead instead of hanging."""
+    import functools
 
-    def dead():
-        raise EngineDead("engine stopped: boom")
+    from serving.async_engine import AsyncEngine
+
+    eng = _engine()
+
+    def lost():
+        raise RuntimeError("device lost")
+
+    eng.step = lost
 
     async def run():
-        w = SimpleNamespace(engine=SimpleNamespace(check_health=dead))
         fut = asyncio.get_running_loop().create_future()
-        await asyncio.wait_for(worker_mod.Worker.confirmation(w, fut), timeout=5)
+        w = SimpleNamespace(_confirmations={"r": (fut, asyncio.get_running_loop())})
+        w._confirm = functools.partial(worker_mod.Worker._confirm, w)
+        aeng = AsyncEngine(eng, on_stop=functools.partial(
+            worker_mod.Worker._fail_confirmations, w))
+        try:
+            await aeng.add("x", [1, 2, 3], SamplingParams(max_tokens=2))  # its step dies
+        except EngineDead:
+            pass
+        try:
+            await asyncio.wait_for(fut, timeout=5)
+        finally:
+            aeng.shutdown()
 
-    with pytest.raises(EngineDead, match="boom"):
+    with pytest.raises(EngineDead, match="device lost"):
         asyncio.run(run())
+    eng.close()
 
 
 def test_engine_loop_waits_while_only_transfers_are_pending():
