@@ -341,8 +341,9 @@ def prefill_bench(quick, variants, use_fla):
         q, k, v, g, beta = _rand_gdn(jax.random.key(si), T, Hk, Hv, dk, dv, jnp.bfloat16)
         cuj = jnp.asarray(cu)
         nbytes = T * (2 * Hk * dk * 2 + 2 * Hv * dv * 2 + 2 * Hv * 4) + len(lens) * Hv * dk * dv * 4
+        sweep = variants and (si == 0 or quick)  # --quick --variants: both shapes
         cfgs = [None]
-        if variants and (si == 0 or quick):  # --quick --variants: every config at both shapes
+        if sweep:
             cfgs = PREFILL_CFGS
         elif best_cfg is not None:
             cfgs = [best_cfg]
@@ -357,7 +358,7 @@ def prefill_bench(quick, variants, use_fla):
                 timed_row = RESULTS["rows"][-1]
                 if ours_best is None or ms < ours_best[0]:
                     ours_best = (ms, cfg, f, timed_row)
-                if variants and (si == 0 or quick):
+                if sweep:
                     fi = jax.jit(lambda c, *a, _cfg=cfg: gdn_prefill_pallas(
                         *a, cu_seqlens=c, use_qk_l2norm=True, _only_intra=True,
                         interpret=(BACKEND == "interpret"), config=_cfg))
@@ -410,7 +411,7 @@ def prefill_bench(quick, variants, use_fla):
                           oracle.rel_err(_f64(fin_ours), f_f.float().cpu().numpy().astype(np.float64)), 2e-2)
                 ms_f = time_torch(fcall)
                 row("prefill", shape, "FLA chunk_gated_delta_rule", ms_f, T, Hv, nbytes)
-                if PROFILE and variants and (si == 0 or quick):
+                if PROFILE and sweep:
                     RESULTS["rows"][-1]["device_ms"] = kernel_breakdown(
                         lambda: (fcall(), torch.cuda.synchronize()), "FLA")
                     save()

@@ -95,7 +95,7 @@ def _run(runner, cu, q, k, v, g, beta, init):
         o, fin = mgpu.gdn_prefill_mgpu(
             bf(q), bf(k), bf(v), jnp.asarray(g, jnp.float32), jnp.asarray(beta, jnp.float32),
             jnp.asarray(cu), None if init is None else jnp.asarray(init, jnp.float32),
-            scale=q.shape[-1] ** -0.5, use_qk_l2norm=True, bv=64)
+            scale=q.shape[-1] ** -0.5, bv=64)
     f64 = lambda a: np.asarray(jnp.asarray(a, jnp.float32), np.float64)
     return f64(o), f64(fin)
 

@@ -85,15 +85,16 @@ def takes(q, k, v, bv: int) -> bool:
             and dk <= 128)
 
 
-def gdn_prefill_mgpu(q, k, v, g, beta, cu, initial_state, *, scale: float,
-                     use_qk_l2norm: bool, bv: int, only_intra: bool = False):
-    """Packed prefill (``gdn_prefill``'s semantics) on the two Mosaic GPU launches.
+def gdn_prefill_mgpu(q, k, v, g, beta, cu, initial_state, *, scale: float, bv: int,
+                     only_intra: bool = False):
+    """Packed prefill (``gdn_prefill``'s semantics with ``use_qk_l2norm``: the intra
+    launch's float16 inverse needs unit keys) on the two Mosaic GPU launches.
     q, k [T, Hk, dk], v [T, Hv, dv] in one 16-bit dtype; g, beta [T, Hv] float32.
     Returns (o [T, Hv, dv], final state [N, Hv, dk, dv] float32); only_intra: the
     intra launch's (M, gamma), for timing it alone."""
     T = q.shape[0]
-    if use_qk_l2norm:  # once here, not once per V tile in the sequential launch
-        q, k = (l2norm(x.astype(jnp.float32)).astype(x.dtype) for x in (q, k))
+    # once here, not once per V tile in the sequential launch
+    q, k = (l2norm(x.astype(jnp.float32)).astype(x.dtype) for x in (q, k))
     pad = -T % 8  # TMA tiles the token axis of q, k, v and o by 8 rows
     if pad:
         q, k, v = (jnp.pad(x, ((0, pad), (0, 0), (0, 0))) for x in (q, k, v))
@@ -320,8 +321,9 @@ def intra_mgpu(start, lo, hi, k, gam, beta, *, ratio: int):
     its SMEM, and a 16-bit wgmma reads row-major right operands, so no transposes are
     carried (bench/RESULTS.md, prefill run 6). float16's range needs unit keys: then
     |A_ij| <= beta_i, and with beta <= 2 T's entries stayed under ~2 in simulation; keys
-    of norm 5 overflow it. So the dispatch takes this path only where the op normalises
-    q and k itself (``use_qk_l2norm``, as the model does)."""
+    of norm 5 overflow it. So ``gdn_prefill_mgpu`` always normalises q and k, and the
+    dispatch takes it only for ops that ask for that (``use_qk_l2norm``, as the model
+    does)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 

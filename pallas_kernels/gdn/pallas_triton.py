@@ -364,8 +364,7 @@ def gdn_prefill_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
     if (cfg["main"] == "mgpu" and not interpret and use_qk_l2norm
             and mgpu.takes(q, k, v, cfg["bv_mgpu"])):
         out = mgpu.gdn_prefill_mgpu(qf, kf, vf, gf, bf, cu, initial_state, scale=scale,
-                                    use_qk_l2norm=use_qk_l2norm, bv=cfg["bv_mgpu"],
-                                    only_intra=_only_intra)
+                                    bv=cfg["bv_mgpu"], only_intra=_only_intra)
         if _only_intra:
             return out
         o, fin = out

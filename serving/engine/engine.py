@@ -110,17 +110,19 @@ class Engine:
                            params: SamplingParams | None = None, request_id: str | None = None):
         """Reserve memory for a request whose prompt was computed elsewhere.
         Returns `(request_id, block_ids, slot)` for the transfer to fill, or
-        None if there is no room now. The request is not scheduled until
-        `finish_transfer`; `first_token` is the token the prefill side sampled."""
+        None if there is no room now; ValueError if `first_token` (the token the
+        prefill side sampled) already ends the request. The request is not
+        scheduled until `finish_transfer`."""
         req = self._new_request(prompt_token_ids, params, request_id)
         # a request its first token already ends would never be reported by a step
         reason, _ = check_stop(dataclasses.replace(req, output_token_ids=[first_token]),
                                self.config, self.tokenizer)
-        if reason is not None or not self.scheduler.begin_transfer(req):
+        if reason is not None:
             del self.requests[req.request_id]
-            if reason is not None:
-                raise ValueError(f"first token {first_token} already ends the request "
-                                 f"({reason}): nothing to decode")
+            raise ValueError(f"first token {first_token} already ends the request "
+                             f"({reason}): nothing to decode")
+        if not self.scheduler.begin_transfer(req):
+            del self.requests[req.request_id]
             return None
         self._append_token(req, first_token, None, time.perf_counter())
         return req.request_id, list(req.block_ids), req.slot
