@@ -4,18 +4,14 @@ wgmma, TMA and SMEM.
 
 The Triton sequential launch is latency-bound: about 8 us per 64-token chunk against
 1 us of tensor-core work (bench/RESULTS.md), because each chunk's loads sit on the state
-chain and Triton's small dots convert layouts through shared memory. Here one CTA (one
-warpgroup) per (sequence, value head, V tile) keeps the fp32 state tile in wgmma
-registers and:
-
-  * prefetches the next chunk's q, k, v tile, M = T diag(beta) and gamma by TMA into
-    the other half of double-buffered SMEM while the current chunk computes;
-  * per chunk issues Q K^T with K S and Q S as one wgmma group, then Vd = M (V -
-    e^gamma K S) (building P = Q K^T . decay while it runs), then P Vd and K^T V' as a
-    second group (V' = e^{gamma_C - gamma} Vd), added to e^gamma Q S and e^{gamma_C} S
-    in registers;
-  * stores each chunk's valid output rows, a whole chunk in one TMA store, a partial
-    one by the power-of-two ladder.
+chain and Triton's small dots convert layouts through shared memory. Here one CTA per
+(sequence, value head, V tile) keeps the fp32 state tile in wgmma registers, and splits
+its work over three warpgroups so that only the state's own chain is sequential
+(``chunk_pass_mgpu``): one loads each chunk's q, k, v tile, M = T diag(beta) and gamma by
+TMA into a two-slot ring, one runs the chain (K S; Vd = M (V - e^gamma K S); S' =
+e^{gamma_C} S + K^T V' with V' = e^{gamma_C - gamma} Vd) and one the chunk's output (P =
+Q K^T . decay, then e^gamma Q S + P Vd and its store), which the chain never waits on.
+A whole chunk's output is one TMA store, a partial one goes by the power-of-two ladder.
 
 TMA addresses a tiled SMEM buffer's rows in whole tiles, so a chunk cannot start at
 an arbitrary token. Chunks here live on the 64-row grid of the packed token axis
@@ -77,7 +73,7 @@ def takes(q, k, v, bv: int) -> bool:
     and dv multiples of the V tile bv, itself 128 bytes (every wgmma operand row here
     is one 128-byte swizzle row; at bv 32, 64-byte rows, the sequential launch passed
     the interpreter but hit a misaligned address on the GPU: bench/RESULTS.md, prefill
-    run 6); dk at most 128 (the sequential launch's SMEM, ~193 KB at dk 128, exceeds
+    run 6); dk at most 128 (the sequential launch's SMEM, ~209 KB at dk 128, exceeds
     the 227 KB limit from dk 192)."""
     dk, dv = q.shape[-1], v.shape[-1]
     return (q.dtype == k.dtype == v.dtype and q.dtype in (jnp.bfloat16, jnp.float16)
@@ -115,7 +111,24 @@ def chunk_pass_mgpu(cu, seq_first, seq_nchunks, q, k, v, m, gam, init, *,
     """The sequential launch. q, k [T, Hk, dk] and v [T, Hv, dv] (16-bit, one dtype, T
     a multiple of 8); m [C, Hv, 64, 64] (q's dtype) and gam [C, Hv, 64] float32 per
     ``block_table`` entry; init [N, Hv, dk, dv] float32 or None. Returns (o [T, Hv,
-    dv] in v's dtype, rows at or past cu[N] zero; final state [N, Hv, dk, dv] float32)."""
+    dv] in v's dtype, rows at or past cu[N] zero; final state [N, Hv, dk, dv] float32).
+
+    One CTA per (sequence, value head, V tile), three warpgroups. Only the state's
+    chain is sequential, so one warpgroup runs nothing else; a chunk's output waits
+    for nothing that the next chunk needs, so another warpgroup computes it beside
+    the chain (one warpgroup doing both spent 2.8 us a chunk against 0.7 us of
+    tensor-core work: bench/RESULTS.md, prefill run 6):
+
+      * state (wg 0): S -> SMEM, K S, W = V - e^gamma K S, Vd = M W, then S' =
+        e^{gamma_C} S + K^T V' with V' = e^{gamma_C - gamma} Vd;
+      * output (wg 1): P = (Q K^T) . e^{gamma_i - gamma_j} [i >= j] as soon as the
+        chunk's inputs are ready, then, once wg 0 has written S and Vd, o = e^gamma Q
+        S + P Vd and its store;
+      * memory (wg 2): the TMA loads of q, k, v, M and gamma into a two-slot ring,
+        a slot refilled once both others are done with it.
+
+    S and Vd go through two SMEM slots of their own, so wg 0 runs up to two chunks
+    ahead of wg 1."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -135,8 +148,9 @@ def chunk_pass_mgpu(cu, seq_first, seq_nchunks, q, k, v, m, gam, init, *,
     def gdn_chunk_mgpu(cu_g, first_g, nch_g, q_g, k_g, v_g, m_g, gam_g, *rest):
         if has_init:
             init_g, *rest = rest
-        (o_g, fin_g, q_s, k_s, v_s, m_s, g_s, s_s, w_s, vd_s, vp_s, p_s, o_t, o_s, f_s,
-         bar, init_bar) = rest
+        (o_g, fin_g, q_s, k_s, v_s, m_s, g_s, s_s, vd_s, w_s, p_s, o_t, o_s, f_s,
+         loaded, zeroed, ready, consumed, s_free, init_bar) = rest
+        role = lax.axis_index("wg")
         s = lax.axis_index("s")
         h = lax.axis_index("h")
         v0 = lax.axis_index("v") * bv
@@ -146,133 +160,163 @@ def chunk_pass_mgpu(cu, seq_first, seq_nchunks, q, k, v, m, gam, init, *,
         c0, nc = first_g[s], nch_g[s]
         seq_start, seq_end = cu_g[s], cu_g[s + 1]
         b0 = seq_start // CHUNK
-
-        def fetch(i, slot):
-            st, c = (b0 + i) * CHUNK, c0 + i
-            b = bar.at[slot]
-            plgpu.copy_gmem_to_smem(q_g.at[pl.ds(st, CHUNK), hk], q_s.at[slot], b)
-            plgpu.copy_gmem_to_smem(k_g.at[pl.ds(st, CHUNK), hk], k_s.at[slot], b)
-            plgpu.copy_gmem_to_smem(v_g.at[pl.ds(st, CHUNK), h, pl.ds(v0, bv)],
-                                    v_s.at[slot], b)
-            plgpu.copy_gmem_to_smem(m_g.at[c, h], m_s.at[slot], b)
-            plgpu.copy_gmem_to_smem(gam_g.at[c, h], g_s.at[slot], b)
-
-        @pl.when(nc > 0)
-        def _():
-            fetch(0, 0)
-
-        if has_init:
-            plgpu.copy_gmem_to_smem(init_g.at[s, h, :, pl.ds(v0, bv)], f_s, init_bar)
-            plgpu.barrier_wait(init_bar)
-            S0 = load(f_s, wg, optimized=False)
-        else:
-            S0 = plgpu.layout_cast(jnp.zeros((dk, bv), jnp.float32), wg)
-
-        ri = plgpu.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0, layout=wg)
-        ci = plgpu.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1, layout=wg)
-        causal = ri >= ci
         rows = lambda x: lax.broadcast_in_dim(x, (CHUNK, bv), [0])
 
-        def chunk(i, S):
-            slot = lax.rem(i, 2)
-
-            @pl.when(i + 1 < nc)
-            def _():
-                fetch(i + 1, 1 - slot)
-
-            plgpu.barrier_wait(bar.at[slot])
-            q_c, k_c, g_c_ref = q_s.at[slot], k_s.at[slot], g_s.at[slot]
+        def bounds(i):
             st = (b0 + i) * CHUNK
             lo = jnp.maximum(seq_start - st, 0)
             hi = jnp.minimum(seq_end - st, CHUNK)
-            whole = (lo == 0) & (hi == CHUNK)
+            return st, lo, hi, (lo == 0) & (hi == CHUNK)
 
-            @pl.when(~whole)
-            def _():
-                _zero_rows_outside(k_c, lo, hi)
-                _zero_rows_outside(v_s.at[slot], lo, hi)
+        @pl.when(role == 2)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
 
-            s_s[...] = S.astype(dt)
+            @pl.loop(0, nc)
+            def _(i):
+                slot = lax.rem(i, 2)
+
+                @pl.when(i >= 2)
+                def _():
+                    plgpu.barrier_wait(consumed.at[slot])
+
+                st, c, b = (b0 + i) * CHUNK, c0 + i, loaded.at[slot]
+                plgpu.copy_gmem_to_smem(q_g.at[pl.ds(st, CHUNK), hk], q_s.at[slot], b)
+                plgpu.copy_gmem_to_smem(k_g.at[pl.ds(st, CHUNK), hk], k_s.at[slot], b)
+                plgpu.copy_gmem_to_smem(v_g.at[pl.ds(st, CHUNK), h, pl.ds(v0, bv)],
+                                        v_s.at[slot], b)
+                plgpu.copy_gmem_to_smem(m_g.at[c, h], m_s.at[slot], b)
+                plgpu.copy_gmem_to_smem(gam_g.at[c, h], g_s.at[slot], b)
+
+            # every arrival observed before the barriers go (the last two chunks')
+            @pl.loop(jnp.maximum(nc - 2, 0), nc)
+            def _(i):
+                plgpu.barrier_wait(consumed.at[lax.rem(i, 2)])
+
+        @pl.when(role == 0)
+        def _state():
+            plgpu.set_max_registers(232, action="increase")
+            if has_init:
+                plgpu.copy_gmem_to_smem(init_g.at[s, h, :, pl.ds(v0, bv)], f_s, init_bar)
+                plgpu.barrier_wait(init_bar)
+                S0 = load(f_s, wg, optimized=False)
+            else:
+                S0 = plgpu.layout_cast(jnp.zeros((dk, bv), jnp.float32), wg)
+
+            def chunk(i, S):
+                slot = lax.rem(i, 2)
+                _, lo, hi, whole = bounds(i)
+                k_c, g_c = k_s.at[slot], g_s.at[slot]
+                plgpu.barrier_wait(loaded.at[slot])
+
+                @pl.when(~whole)  # before wg 1 reads k: 0 * NaN is NaN
+                def _():
+                    _zero_rows_outside(k_c, lo, hi)
+                    _zero_rows_outside(v_s.at[slot], lo, hi)
+
+                plgpu.barrier_arrive(zeroed.at[slot])
+
+                @pl.when(i >= 2)  # wg 1 is done with chunk i - 2's S and Vd
+                def _():
+                    plgpu.barrier_wait(s_free.at[slot])
+
+                s_s.at[slot][...] = S.astype(dt)
+                plgpu.commit_smem()
+                ks = pl.run_scoped(functools.partial(_mma, pairs=((k_c, s_s.at[slot]),)),
+                                   plgpu.ACC((CHUNK, bv)))[0]
+                g_r = load(g_c, row_vec)
+                vin = load(v_s.at[slot], wg).astype(jnp.float32)
+                w_s[...] = (vin - rows(jnp.exp(g_r)) * ks).astype(dt)
+                plgpu.commit_smem()
+                vd = pl.run_scoped(functools.partial(_mma, pairs=((m_s.at[slot], w_s),)),
+                                   plgpu.ACC((CHUNK, bv)))[0]
+                vd_s.at[slot][...] = vd.astype(dt)
+                g_last = g_c[CHUNK - 1]
+                w_s[...] = (rows(jnp.exp(g_last - g_r)) * vd).astype(dt)  # V'
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(ready.at[slot])
+
+                def update(kv_acc):
+                    plgpu.wgmma(kv_acc, k_c.transpose((1, 0)), w_s)
+                    s_part = jnp.exp(g_last) * S
+                    plgpu.wgmma_wait(0)
+                    return s_part + kv_acc[...]
+
+                S = pl.run_scoped(update, plgpu.ACC((dk, bv)))
+                plgpu.barrier_arrive(consumed.at[slot])
+                return S
+
+            S = lax.fori_loop(0, nc, chunk, S0)
+
+            @pl.loop(jnp.maximum(nc - 2, 0), nc)  # wg 1's last two chunks
+            def _(i):
+                plgpu.barrier_wait(s_free.at[lax.rem(i, 2)])
+
+            f_s[...] = S
             plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(f_s, fin_g.at[s, h, :, pl.ds(v0, bv)])
+            plgpu.wait_smem_to_gmem(0)
 
-            def state_reads(ks_acc, qs_acc, qk_acc):
-                plgpu.wgmma(ks_acc, k_c, s_s)
-                plgpu.wgmma(qs_acc, q_c, s_s)
-                plgpu.wgmma(qk_acc, q_c, k_c.transpose((1, 0)))
-                plgpu.wgmma_wait(0)
-                return ks_acc[...], qs_acc[...], qk_acc[...]
+        @pl.when(role == 1)
+        def _output():
+            plgpu.set_max_registers(232, action="increase")
+            ri = plgpu.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0, layout=wg)
+            ci = plgpu.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1, layout=wg)
+            causal = ri >= ci
 
-            ks, qs, qk = pl.run_scoped(state_reads, plgpu.ACC((CHUNK, bv)),
-                                       plgpu.ACC((CHUNK, bv)), plgpu.ACC((CHUNK, CHUNK)))
-            g_r = load(g_c_ref, row_vec)
-            eg = jnp.exp(g_r)
-            vin = load(v_s.at[slot], wg).astype(jnp.float32)
-            w_s[...] = (vin - rows(eg) * ks).astype(dt)
-            plgpu.commit_smem()
-
-            def solve(vd_acc):
-                plgpu.wgmma(vd_acc, m_s.at[slot], w_s)
-                # P = (Q K^T) . e^{gamma_i - gamma_j} [i >= j], while the tensor cores run
-                g_col = load(g_c_ref, col_vec)
+            @pl.loop(0, nc)
+            def _(i):
+                slot = lax.rem(i, 2)
+                st, lo, hi, whole = bounds(i)
+                q_c, g_c = q_s.at[slot], g_s.at[slot]
+                plgpu.barrier_wait(loaded.at[slot])
+                plgpu.barrier_wait(zeroed.at[slot])
+                qk = pl.run_scoped(
+                    functools.partial(_mma, pairs=((q_c, k_s.at[slot].transpose((1, 0))),)),
+                    plgpu.ACC((CHUNK, CHUNK)))[0]
+                g_r, g_col = load(g_c, row_vec), load(g_c, col_vec)
                 diff = (lax.broadcast_in_dim(g_r, (CHUNK, CHUNK), [0])
                         - lax.broadcast_in_dim(g_col, (CHUNK, CHUNK), [1]))
                 p_s[...] = jnp.where(causal, qk * jnp.exp(jnp.where(causal, diff, 0.0)),
                                      0.0).astype(dt)
-                plgpu.wgmma_wait(0)
-                return vd_acc[...]
-
-            vd = pl.run_scoped(solve, plgpu.ACC((CHUNK, bv)))
-            g_last = g_c_ref[CHUNK - 1]
-            vd_s[...] = vd.astype(dt)
-            vp_s[...] = (rows(jnp.exp(g_last - g_r)) * vd).astype(dt)
-            plgpu.commit_smem()
-
-            def update(pv_acc, kv_acc):
-                plgpu.wgmma(pv_acc, p_s, vd_s)
-                plgpu.wgmma(kv_acc, k_c.transpose((1, 0)), vp_s)
-                o_part = rows(eg) * qs
-                s_part = jnp.exp(g_last) * S
-                plgpu.wgmma_wait(0)
-                return o_part + pv_acc[...], s_part + kv_acc[...]
-
-            o, S = pl.run_scoped(update, plgpu.ACC((CHUNK, bv)), plgpu.ACC((dk, bv)))
-            o = (o * scale).astype(o_g.dtype)
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # last chunk's rows left
-
-            @pl.when(whole)  # one store from swizzled SMEM
-            def _():
-                o_t[...] = o
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_t, o_g.at[pl.ds(st, CHUNK), h, pl.ds(v0, bv)])
+                plgpu.barrier_wait(ready.at[slot])
+                qs, pv = pl.run_scoped(
+                    functools.partial(_mma, pairs=((q_c, s_s.at[slot]), (p_s, vd_s.at[slot]))),
+                    plgpu.ACC((CHUNK, bv)), plgpu.ACC((CHUNK, bv)))
+                plgpu.barrier_arrive(s_free.at[slot])
+                plgpu.barrier_arrive(consumed.at[slot])
+                o = ((rows(jnp.exp(g_r)) * qs + pv) * scale).astype(o_g.dtype)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # last chunk's rows left
 
-            @pl.when(~whole)  # a sequence's first or last rows: the power-of-two ladder
+                @pl.when(whole)  # one store from swizzled SMEM
+                def _():
+                    o_t[...] = o
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(o_t, o_g.at[pl.ds(st, CHUNK), h, pl.ds(v0, bv)])
+
+                @pl.when(~whole)  # a sequence's first or last rows: the power-of-two ladder
+                def _():
+                    o_s[...] = o
+                    plgpu.commit_smem()
+                    store_rows(o_s, lambda r, n: o_g.at[pl.ds(st + r, n), h, pl.ds(v0, bv)],
+                               lo, hi - lo, CHUNK)
+
+            # the last sequence's CTAs zero the padding rows [cu[N], T)
+            @pl.when(s == n_seq - 1)
             def _():
-                o_s[...] = o
+                pad0 = cu_g[n_seq]
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                o_s[...] = jnp.zeros((CHUNK, bv), o_s.dtype)
                 plgpu.commit_smem()
-                store_rows(o_s, lambda r, n: o_g.at[pl.ds(st + r, n), h, pl.ds(v0, bv)],
-                           lo, hi - lo, CHUNK)
-            return S
 
-        S = lax.fori_loop(0, nc, chunk, S0)
-        f_s[...] = S
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(f_s, fin_g.at[s, h, :, pl.ds(v0, bv)])
+                @pl.loop(0, (T - pad0 + CHUNK - 1) // CHUNK)
+                def _(j):
+                    st = pad0 + j * CHUNK
+                    store_rows(o_s, lambda r, n: o_g.at[pl.ds(st + r, n), h, pl.ds(v0, bv)],
+                               0, jnp.minimum(T - st, CHUNK), CHUNK)
 
-        # the last sequence's CTAs zero the padding rows [cu[N], T)
-        @pl.when(s == n_seq - 1)
-        def _():
-            pad0 = cu_g[n_seq]
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            o_s[...] = jnp.zeros((CHUNK, bv), o_s.dtype)
-            plgpu.commit_smem()
-
-            @pl.loop(0, (T - pad0 + CHUNK - 1) // CHUNK)
-            def _(j):
-                st = pad0 + j * CHUNK
-                store_rows(o_s, lambda r, n: o_g.at[pl.ds(st + r, n), h, pl.ds(v0, bv)],
-                           0, jnp.minimum(T - st, CHUNK), CHUNK)
-
-        plgpu.wait_smem_to_gmem(0)
+            plgpu.wait_smem_to_gmem(0)
 
     scratch = [
         plgpu.SMEM((2, CHUNK, dk), dt, transforms=tr),        # q
@@ -280,15 +324,18 @@ def chunk_pass_mgpu(cu, seq_first, seq_nchunks, q, k, v, m, gam, init, *,
         plgpu.SMEM((2, CHUNK, bv), dt, transforms=tr),        # v tile
         plgpu.SMEM((2, CHUNK, CHUNK), dt, transforms=tr),     # M
         plgpu.SMEM((2, CHUNK), jnp.float32),                  # gamma
-        plgpu.SMEM((dk, bv), dt, transforms=tr),              # S, 16-bit copy
-        plgpu.SMEM((CHUNK, bv), dt, transforms=tr),           # V - e^gamma K S
-        plgpu.SMEM((CHUNK, bv), dt, transforms=tr),           # Vd
-        plgpu.SMEM((CHUNK, bv), dt, transforms=tr),           # V'
+        plgpu.SMEM((2, dk, bv), dt, transforms=tr),           # S, 16-bit copy
+        plgpu.SMEM((2, CHUNK, bv), dt, transforms=tr),        # Vd
+        plgpu.SMEM((CHUNK, bv), dt, transforms=tr),           # W, then V'
         plgpu.SMEM((CHUNK, CHUNK), dt, transforms=tr),        # P
         plgpu.SMEM((CHUNK, bv), v.dtype, transforms=tr),      # output, whole chunk
         plgpu.SMEM((CHUNK, bv), v.dtype),                     # output, last rows
         plgpu.SMEM((dk, bv), jnp.float32),                    # state in / out
-        plgpu.Barrier(num_arrivals=5, num_barriers=2),        # a chunk's five copies
+        plgpu.Barrier(num_arrivals=5, num_barriers=2),        # loaded: a chunk's five copies
+        plgpu.Barrier(num_barriers=2),                        # zeroed: k, v safe to read
+        plgpu.Barrier(num_barriers=2),                        # ready: S and Vd in SMEM
+        plgpu.Barrier(num_arrivals=2, num_barriers=2),        # consumed: slot refillable
+        plgpu.Barrier(num_barriers=2),                        # s_free: S, Vd slot reusable
         plgpu.Barrier(),                                      # the initial state
     ]
     kernel = plgpu.kernel(
@@ -298,6 +345,8 @@ def chunk_pass_mgpu(cu, seq_first, seq_nchunks, q, k, v, m, gam, init, *,
         scratch_types=scratch,
         grid=(n_seq, Hv, dv // bv),
         grid_names=("s", "h", "v"),
+        num_threads=3,
+        thread_name="wg",
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Lane),
     )
