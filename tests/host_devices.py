@@ -9,15 +9,38 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def child_records(script: str, *args: str, timeout: float = 600) -> dict[str, dict]:
-    """``python script *args`` on 8 host devices; its records by key."""
+def start_child(script: str, *args: str) -> subprocess.Popen:
+    """Start ``python script *args`` on 8 host devices without waiting for it, so that
+    several children can run at once; ``child_result`` collects its records. Its output
+    goes to files, not pipes: a child must never block on a pipe nobody reads yet."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
                JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
-    proc = subprocess.run([sys.executable, os.path.abspath(script), *args], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return {r["key"]: r for r in map(json.loads, proc.stdout.splitlines())}
+    out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen([sys.executable, os.path.abspath(script), *args], env=env, cwd=ROOT,
+                            stdout=out, stderr=err)
+    proc.out, proc.err = out, err
+    return proc
+
+
+def child_result(proc: subprocess.Popen, timeout: float = 600) -> dict[str, dict]:
+    """Wait for a child of ``start_child``; its records by key."""
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
+    proc.out.seek(0)
+    proc.err.seek(0)
+    assert proc.returncode == 0, proc.err.read()[-4000:]
+    return {r["key"]: r for r in map(json.loads, proc.out.read().splitlines())}
+
+
+def child_records(script: str, *args: str, timeout: float = 600) -> dict[str, dict]:
+    """``python script *args`` on 8 host devices; its records by key."""
+    return child_result(start_child(script, *args), timeout)

@@ -30,7 +30,7 @@ import json
 import sys
 
 import pytest
-from host_devices import child_records
+from host_devices import child_result, start_child
 
 MODEL_MESHES = {
     "tiny": ["dp2", "tp2", "dp2,tp2"],
@@ -45,13 +45,30 @@ KERNEL_MESHES = ["tp2", "ep2,tp2", "tp4"]
 RTOL = 5e-5
 
 
-def _child(*args) -> dict:
-    return child_records(__file__, *args, timeout=1800)
+CHILDREN = {("forward", name): ("forward", name, *meshes) for name, meshes in MODEL_MESHES.items()}
+CHILDREN |= {("kernels",): ("kernels", "tiny-moe", *KERNEL_MESHES), ("serving",): ("serving",),
+             ("load",): ("load",)}
 
 
 @pytest.fixture(scope="module")
-def forward_records():
-    return {name: _child("forward", name, *meshes) for name, meshes in MODEL_MESHES.items()}
+def children():
+    """Every child process of this module, started together on first use.
+
+    Each child spends minutes tracing and compiling, mostly on one core, while this
+    process only waits; started one after another (one per fixture, as they were) they
+    leave the other cores idle. Started at once, they overlap; each test still reads only
+    its own child's records, which are the same whatever runs beside them."""
+    started = {key: start_child(__file__, *args) for key, args in CHILDREN.items()}
+    yield lambda key: child_result(started[key], timeout=1800)
+    for proc in started.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def forward_records(children):
+    return {name: children(("forward", name)) for name in MODEL_MESHES}
 
 
 @pytest.mark.parametrize("name,mesh", [(n, m) for n, ms in MODEL_MESHES.items() for m in ms])
@@ -71,8 +88,8 @@ def test_compiled_step_keeps_weights_and_cache_split(forward_records, name, mesh
 
 
 @pytest.fixture(scope="module")
-def kernel_records():
-    return _child("kernels", "tiny-moe", *KERNEL_MESHES)
+def kernel_records(children):
+    return children(("kernels",))
 
 
 @pytest.mark.parametrize("mesh", KERNEL_MESHES)
@@ -97,8 +114,8 @@ def test_engine_on_kernels_matches_single_device_in_place(kernel_records):
 
 
 @pytest.fixture(scope="module")
-def serving_records():
-    return _child("serving")
+def serving_records(children):
+    return children(("serving",))
 
 
 def test_engine_on_mesh_matches_single_device(serving_records):
@@ -142,8 +159,8 @@ def test_mesh_spec_and_head_aligned_fallbacks():
         None, None, ("expert",), None, None)
 
 
-def test_checkpoint_loads_straight_into_the_mesh():
-    r = _child("load")["load"]
+def test_checkpoint_loads_straight_into_the_mesh(children):
+    r = children(("load",))["load"]
     assert r["mismatched"] == [] and r["misplaced"] == [], r
     assert r["split"] > 0, r
 

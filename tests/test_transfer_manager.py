@@ -168,6 +168,29 @@ def test_injected_transfer_error_is_reported_and_the_source_frees(source, puller
     assert drive(source, puller, until=lambda d: pid in d)[pid].ok
 
 
+@pytest.mark.parametrize("answers", [True, False])
+def test_a_failed_pull_pings_its_peer_outside_the_lock(source, puller, monkeypatch, answers):
+    """Whether the peer still answers decides error against peer_gone; the ping (up to
+    0.2 s) must not hold the manager's lock, which every pin, pull and ack needs."""
+    import transfer.manager
+
+    held = []
+
+    def ping(address, timeout):
+        held.append(puller._lock.locked())
+        return answers
+
+    monkeypatch.setattr(transfer.manager, "ping", ping)
+    params = source.pin(blocks([4]))
+    puller.faults.fail_next = 1
+    pid = puller.pull(params, blocks([4]))
+    c = drive(source, puller, until=lambda d: pid in d)[pid]
+    assert held == [False]
+    assert c.error.kind == ("error" if answers else "peer_gone")
+    if not answers:  # no drop was sent to a peer taken for gone: its lease expires instead
+        source.unpin(params["lease"])
+
+
 def test_a_lost_read_notification_is_repeated(source, puller):
     log, on_free = freed_log()
     params = source.pin(blocks([6]), on_free=on_free)

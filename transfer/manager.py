@@ -193,6 +193,9 @@ class TransferManager:
         self._pulls: dict[int, _Pull] = {}
         self._zombies: list = []  # handles NIXL would not release yet
         self._done: list[Completion] = []  # completed but not yet returned by collect()
+        # failed pulls whose kind waits on a ping of their peer, which progress() sends
+        # outside the lock (up to 0.2 s): (pull, kind, detail, notify)
+        self._suspects: list[tuple[_Pull, str, str, bool]] = []
         self._landed: list[int] = []  # pulls whose READ finished, not yet returned by landed()
         # leases freed by progress(), their on_free not yet run by collect(): (lease, held, reason)
         self._freed: list[tuple[str, _Lease, str]] = []
@@ -405,17 +408,43 @@ class TransferManager:
             self._finish(p, None)
 
     def _fail(self, p: _Pull, kind: str, detail: str, notify: bool = True) -> None:
+        """An error or timeout is reported as peer_gone if the peer no longer answers: a
+        forgotten peer at once, one with an address after progress() has pinged it."""
         if p.handle is not None and not self.agent.release(p.handle):
             self._zombies.append(p.handle)
         p.handle = None
-        if kind in (ERROR, TIMEOUT) and not self._peer_alive(p.peer):
-            kind, detail = PEER_GONE, f"{detail}; peer {p.peer} no longer answers"
+        self._pulls.pop(p.id, None)
+        if kind in (ERROR, TIMEOUT):
+            if p.peer not in self._peers:
+                kind, detail = PEER_GONE, f"{detail}; peer {p.peer} no longer answers"
+            elif self._addresses.get(p.peer) is not None:
+                self._suspects.append((p, kind, detail, notify))
+                return
+        self._conclude(p, kind, detail, notify)
+
+    def _conclude(self, p: _Pull, kind: str, detail: str, notify: bool) -> None:
         if notify and kind != PEER_GONE and p.peer in self._peers:
             self._send(p.peer, f"drop {p.lease}")
         self._finish(p, TransferError(kind, detail))
 
+    def _judge_suspects(self) -> None:
+        """Ping the peers of failed pulls without holding the lock (another thread's
+        pin, pull or progress would wait up to 0.2 s a ping), then conclude them."""
+        with self._lock:
+            suspects, self._suspects = self._suspects, []
+            addresses = {p.peer: self._addresses.get(p.peer) for p, *_ in suspects}
+        if not suspects:
+            return
+        alive = {peer: address is not None and ping(address, timeout=0.2)  # None: forgotten
+                 for peer, address in addresses.items()}
+        with self._lock:
+            for p, kind, detail, notify in suspects:
+                if not alive[p.peer]:
+                    kind, detail = PEER_GONE, f"{detail}; peer {p.peer} no longer answers"
+                self._conclude(p, kind, detail, notify)
+
     def _finish(self, p: _Pull, error: TransferError | None) -> None:
-        del self._pulls[p.id]
+        self._pulls.pop(p.id, None)
         if error is None:
             self._proven.add(p.peer)
         end = time.monotonic()
@@ -428,14 +457,10 @@ class TransferManager:
         self._done.append(Completion(p.id, p.lease, error, p.plan.nbytes, p.plan.count,
                                      end - p.started, phases))
 
-    def _peer_alive(self, name: str) -> bool:
-        address = self._addresses.get(name)
-        return name in self._peers and (address is None or ping(address, timeout=0.2))
-
     @property
     def pending(self) -> int:
         """Pulls not yet completed."""
-        return len(self._pulls)
+        return len(self._pulls) + len(self._suspects)
 
     def pull_poll(self, default: float) -> float:
         """Seconds between polls while a READ is in flight: ``POLL_VRAM_PULL`` into VRAM,
@@ -445,7 +470,7 @@ class TransferManager:
     @property
     def busy(self) -> bool:
         """Whether a lease or a pull is open, so a message may be due any moment."""
-        return bool(self._leases or self._pulls)
+        return bool(self._leases or self._pulls or self._suspects)
 
     # ---- progress ------------------------------------------------------------------------
 
@@ -459,6 +484,8 @@ class TransferManager:
         ``landed()`` now have something for the owner."""
         with self._lock:
             self._progress()
+        self._judge_suspects()
+        with self._lock:
             return bool(self._done or self._landed or self._freed)
 
     def collect(self) -> list[Completion]:
