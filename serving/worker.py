@@ -63,8 +63,8 @@ from serving.engine.capacity import plan_capacity
 from serving.kv_transfer import (allocate_registered_cache, compat_record, pull_items,
                                  source_record)
 from serving.llm import default_dtype, load_model, model_config
-from transfer import (Agent, Faults, ProgressThread, TransferManager, TransferParamsError,
-                      free_bytes, size_xla_pool)
+from transfer import (Agent, Faults, HandshakeError, ProgressThread, TransferManager,
+                      TransferParamsError, free_bytes, size_xla_pool)
 
 log = logging.getLogger("serving.worker")
 
@@ -181,6 +181,13 @@ class Worker:
         if request_id in self._confirmations:  # its entry is another request's
             raise ValueError(f"duplicate request id {request_id}")
         loop = asyncio.get_running_loop()
+        if not self.transfer.knows_source(transfer):  # a new source: shake hands off the
+            try:                                       # engine thread, where pull() runs
+                await loop.run_in_executor(None, self.transfer.connect_source, transfer)
+            except HandshakeError as e:
+                raise TransferFailed(f"transfer source unreachable: {e}") from None
+            if request_id in self._confirmations:  # taken while this one waited
+                raise ValueError(f"duplicate request id {request_id}")
         confirmed = loop.create_future()
         self._confirmations[request_id] = (confirmed, loop)
         try:
@@ -359,6 +366,10 @@ def build_app(worker: Worker, *, fault_injection: bool = False) -> FastAPI:
     @app.exception_handler(EngineDead)
     async def _dead(_, e):
         return JSONResponse({"detail": str(e)}, status_code=503)
+
+    @app.exception_handler(TransferFailed)
+    async def _unreachable(request, e):  # a source this worker could not reach
+        return JSONResponse({"detail": str(e)}, status_code=502)
 
     @app.exception_handler(TransferParamsError)
     async def _bad_params(_, e):

@@ -159,3 +159,52 @@ def test_prefill_cancelled_during_admission_releases_its_hold():
     finally:
         aeng.shutdown()
         eng.close()
+
+
+def _decode_worker(connect):
+    """A stand-in worker for ``Worker.decode``: a source it has not met, ``connect`` as the
+    handshake, and an engine that records when it is asked to add the request."""
+    calls = []
+
+    async def add(request_id, prompt, params, submit):
+        calls.append(("add", request_id))
+        return "stream"
+
+    w = SimpleNamespace(_confirmations={}, engine=SimpleNamespace(add=add),
+                        transfer=SimpleNamespace(knows_source=lambda params: False,
+                                                 connect_source=lambda params: connect(calls)))
+    return w, calls
+
+
+def test_decode_shakes_hands_with_a_new_source_off_the_loop_and_the_engine_thread():
+    """The first pull from a new source needs a handshake (a socket round trip, up to
+    2 x 5 s to an unreachable peer): it runs in an executor thread before the request
+    reaches the engine, whose thread would otherwise stall every running request."""
+    import threading
+
+    w, calls = _decode_worker(lambda calls: calls.append(("connect", threading.get_ident())))
+
+    async def run():
+        return await worker_mod.Worker.decode(w, "r", [1, 2], 3, SamplingParams(), {}), \
+            threading.get_ident()
+
+    (stream, _), loop_thread = asyncio.run(run())
+    assert stream == "stream"
+    assert [c[0] for c in calls] == ["connect", "add"]
+    assert calls[0][1] != loop_thread
+
+
+def test_decode_from_an_unreachable_source_fails_before_reserving_anything():
+    from transfer import HandshakeError
+
+    def unreachable(calls):
+        raise HandshakeError("connection refused")
+
+    w, calls = _decode_worker(unreachable)
+
+    async def run():
+        await worker_mod.Worker.decode(w, "r", [1, 2], 3, SamplingParams(), {})
+
+    with pytest.raises(worker_mod.TransferFailed, match="unreachable"):
+        asyncio.run(run())
+    assert calls == [] and w._confirmations == {}

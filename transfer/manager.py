@@ -318,6 +318,24 @@ class TransferManager:
         self.opened.set()
         return pull_id
 
+    def knows_source(self, params) -> bool:
+        """Whether ``params`` name a source this manager has shaken hands with (False for
+        malformed params: ``pull`` reports those)."""
+        try:
+            agent = _parse(params)[0]
+        except TransferParamsError:
+            return False
+        with self._lock:
+            return agent in self._peers
+
+    def connect_source(self, params) -> None:
+        """The handshake ``pull`` would make with a new source (a socket round trip, up to
+        2 x 5 s to an unreachable one), for a caller that must not block on it where it
+        pulls (a worker's engine thread). Raises as ``pull`` would: TransferParamsError
+        for malformed, stale or incompatible params, HandshakeError if unreachable."""
+        agent, _, _, _, address = _parse(params)
+        self._resolve(agent, address)
+
     def _start(self, agent: str, lease: str, plan: descriptors.Plan, ttl: float, started: float,
                timeout: float) -> int:
         now = time.monotonic()
