@@ -445,14 +445,9 @@ class TransferManager:
             self._send(p.peer, f"drop {p.lease}")
         self._finish(p, TransferError(kind, detail))
 
-    def _judge_suspects(self) -> None:
+    def _judge(self, suspects: list, addresses: dict) -> None:
         """Ping the peers of failed pulls without holding the lock (another thread's
         pin, pull or progress would wait up to 0.2 s a ping), then conclude them."""
-        with self._lock:
-            suspects, self._suspects = self._suspects, []
-            addresses = {p.peer: self._addresses.get(p.peer) for p, *_ in suspects}
-        if not suspects:
-            return
         alive = {peer: address is not None and ping(address, timeout=0.2)  # None: forgotten
                  for peer, address in addresses.items()}
         with self._lock:
@@ -502,7 +497,11 @@ class TransferManager:
         ``landed()`` now have something for the owner."""
         with self._lock:
             self._progress()
-        self._judge_suspects()
+            suspects, self._suspects = self._suspects, []
+            if not suspects:  # the usual case: one lock scope a call
+                return bool(self._done or self._landed or self._freed)
+            addresses = {p.peer: self._addresses.get(p.peer) for p, *_ in suspects}
+        self._judge(suspects, addresses)
         with self._lock:
             return bool(self._done or self._landed or self._freed)
 
