@@ -29,9 +29,9 @@ _PREFILL_BASE = dict(bv=32, intra_warps=4, intra_stages=2, main_warps=4, main_st
                      inverse="block32", mode="wu", m_dtype="bfloat16", main="triton",
                      bv_mgpu=64)
 GDN_PREFILL = {
-    # H200 2026-12-01 (bench/RESULTS.md, prefill runs 5 and 7): the Mosaic GPU pair 1.20
+    # H200 2026-12-01 (bench/RESULTS.md, prefill runs 5 and 8): the Mosaic GPU pair 1.20
     # ms against 1.69 ms for the best Triton pair (block32 + wu + bv 32, best of 14 on
-    # 2026-11-30) at 1x8192 Hk16 Hv64 (run 5), 0.445 ms device time since (run 7); the
+    # 2026-11-30) at 1x8192 Hk16 Hv64 (run 5), 0.419 ms device time since (run 8); the
     # Triton keys stay for float32 inputs
     "sm90": dict(_PREFILL_BASE, main="mgpu"),
     # Blackwell: not measured yet; the Hopper entry without the wgmma kernels
