@@ -131,7 +131,10 @@ class Agent:
             return "ERR"
 
     def release(self, handle: nixl_xfer_handle) -> bool:
-        """Free a transfer handle, cancelling it if still active; False if NIXL refused."""
+        """Free a transfer handle; False if NIXL refused. NIXL's API promises to cancel
+        an active transfer or refuse, but its UCX backend (1.5.1) does neither: it frees
+        the request and the READ runs on, so its bytes may still land afterwards (UCX
+        cancels only tag receives; NIXL issues ai-dynamo/nixl#2067, #2044)."""
         try:
             handle.release()
             return True

@@ -40,9 +40,12 @@ once the handshake is done:
 
 Failures arrive as completions within the pull's timeout (plus one poll): a NIXL error
 ("error", or "peer_gone" when the peer's side channel no longer answers), a deadline
-("timeout"; the READ is cancelled by releasing its handle), a freed lease ("stale"), or
+("timeout"; the READ's handle is released), a freed lease ("stale"), or
 ``peer_lost()`` called by the owner ("peer_gone"). After a failed pull the destination
-bytes are undefined (partly written, perhaps). Parameters that are malformed, point
+bytes are undefined (partly written, perhaps). Releasing does not stop a READ still in
+flight with NIXL's UCX backend (see ``Agent.release``): bytes of a timed-out READ may
+land after its completion was reported, into memory the owner has reused. Not yet
+handled: the destination should stay quarantined until the handle reports DONE or ERR. Parameters that are malformed, point
 outside the peer's regions, or name an agent that is not (or no longer) the peer at the
 given address are refused by ``pull()`` with ``TransferParamsError`` before anything is
 posted.
