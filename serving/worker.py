@@ -105,6 +105,9 @@ class Worker:
                                         lease_ttl=lease_ttl, faults=faults)
         self._pulls: dict[int, str] = {}  # pull id -> request id (engine thread only)
         self._started: set[int] = set()  # pulls whose request decodes before the ack
+        # failed pulls whose READ may still write into the request's memory: pull id ->
+        # request id, whose memory is freed (or recomputed into) once the READ has ended
+        self._draining: dict[int, str] = {}
         # request id -> (future, its loop), resolved when the transfer is acked or fails
         # (see `decode`)
         self._confirmations: dict[str, tuple[asyncio.Future, asyncio.AbstractEventLoop]] = {}
@@ -276,22 +279,31 @@ class Worker:
                 continue
             self.counters["transfer_failures"] += 1
             log.error("transfer for %s failed: %s", request_id, c.error)
-            if self.recompute:
-                eng.finish_transfer(request_id, ok=False)
-                self._confirm(request_id)
-            else:
+            if not self.recompute:
                 error = TransferFailed(f"KV/state transfer failed ({c.error})")
                 self.engine.fail(request_id, error)
                 eng.abort(request_id)
-                if not started:  # the abort left its memory to the transfer: free it
-                    eng.finish_transfer(request_id, ok=False)
                 self._confirm(request_id, error)
+                if started:  # it decoded from landed bytes: the abort freed its memory
+                    continue
+            else:
+                self._confirm(request_id)
+            # the abort left the memory to the transfer: free it (or recompute the prompt
+            # into it), once no late byte of the READ can land there
+            if c.settled:
+                eng.finish_transfer(request_id, ok=False)
+            else:
+                self._draining[c.pull_id] = request_id
+        for pull_id in self.transfer.settled():  # after the completions that it follows
+            request_id = self._draining.pop(pull_id, None)
+            if request_id is not None:
+                eng.finish_transfer(request_id, ok=False)
 
     # ---- status -------------------------------------------------------------------------
 
     def stats(self) -> dict:
         return {**self.engine.stats(), **self.counters, "leases": self.transfer.leases,
-                "pending_pulls": len(self._pulls)}
+                "pending_pulls": len(self._pulls), "draining_pulls": len(self._draining)}
 
     def info(self) -> dict:
         return {"role": self.role, "model": self.model_name, "agent": self.agent.name,

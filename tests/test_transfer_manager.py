@@ -191,6 +191,65 @@ def test_a_failed_pull_pings_its_peer_outside_the_lock(source, puller, monkeypat
         source.unpin(params["lease"])
 
 
+def test_a_timed_out_read_still_in_flight_holds_its_destination_until_it_ends(
+        source, puller, monkeypatch):
+    """NIXL's UCX backend does not stop a released READ (its bytes may land later): a
+    pull past its deadline is reported at once, unsettled, and its handle is kept and
+    polled until NIXL ends the READ; only then does ``settled()`` list it."""
+    states, released = {}, []
+
+    def read(peer, local, remote, remote_mem_type, notif):
+        states["h"] = "PROC"  # posted, and never ends by itself
+        return "h", "PROC"
+
+    real_state, real_release = puller.agent.state, puller.agent.release
+    monkeypatch.setattr(puller.agent, "read", read)
+    monkeypatch.setattr(puller.agent, "state",
+                        lambda h: states[h] if h in states else real_state(h))
+    monkeypatch.setattr(puller.agent, "release",
+                        lambda h: released.append(h) or True if h in states else real_release(h))
+    log, on_free = freed_log()
+    params = source.pin(blocks([3]), on_free=on_free)
+    pid = puller.pull(params, blocks([3]), timeout=0.2)
+    c = drive(source, puller, until=lambda d: pid in d and log)[pid]
+    assert c.error.kind == "timeout" and not c.settled
+    assert log == [(params["lease"], "dropped")]
+    for _ in range(20):
+        puller.poll()
+    assert released == [] and puller.draining == 1 and puller.settled() == []
+    states["h"] = "DONE"
+    drive(puller, until=lambda d: puller.draining == 0)
+    assert released == ["h"] and puller.settled() == [pid] and puller.settled() == []
+
+
+def test_a_lost_peer_is_forgotten_only_once_its_reads_have_drained(monkeypatch):
+    """NIXL answers ERR for the READs of a removed peer without asking UCX, so a lost
+    peer with a READ in flight is removed only once that READ has ended."""
+    source, puller = make_manager(seed=2), make_manager()
+    states, removed = {"h": "PROC"}, []
+    try:
+        monkeypatch.setattr(puller.agent, "read", lambda *a: ("h", "PROC"))
+        real_state, real_release = puller.agent.state, puller.agent.release
+        monkeypatch.setattr(puller.agent, "state",
+                            lambda h: states[h] if h in states else real_state(h))
+        monkeypatch.setattr(puller.agent, "release",
+                            lambda h: True if h in states else real_release(h))
+        monkeypatch.setattr(puller.agent, "remove_peer", removed.append)
+        pid = puller.pull(source.pin(blocks([1])), blocks([1]))  # posted: "h" runs
+        puller.peer_lost(source.agent.name)
+        c = drive(puller, until=lambda d: pid in d)[pid]
+        assert c.error.kind == "peer_gone" and not c.settled
+        for _ in range(20):
+            puller.poll()
+        assert removed == [] and puller.settled() == []
+        states["h"] = "DONE"
+        drive(puller, until=lambda d: puller.draining == 0)
+        assert removed == [source.agent.name] and puller.settled() == [pid]
+    finally:
+        puller.close()
+        source.close()
+
+
 def test_a_lost_read_notification_is_repeated(source, puller):
     log, on_free = freed_log()
     params = source.pin(blocks([6]), on_free=on_free)

@@ -40,15 +40,17 @@ once the handshake is done:
 
 Failures arrive as completions within the pull's timeout (plus one poll): a NIXL error
 ("error", or "peer_gone" when the peer's side channel no longer answers), a deadline
-("timeout"; the READ's handle is released), a freed lease ("stale"), or
-``peer_lost()`` called by the owner ("peer_gone"). After a failed pull the destination
-bytes are undefined (partly written, perhaps). Releasing does not stop a READ still in
-flight with NIXL's UCX backend (see ``Agent.release``): bytes of a timed-out READ may
-land after its completion was reported, into memory the owner has reused. Not yet
-handled: the destination should stay quarantined until the handle reports DONE or ERR. Parameters that are malformed, point
-outside the peer's regions, or name an agent that is not (or no longer) the peer at the
-given address are refused by ``pull()`` with ``TransferParamsError`` before anything is
-posted.
+("timeout"), a freed lease ("stale"), or ``peer_lost()`` called by the owner
+("peer_gone"). After a failed pull the destination bytes are undefined (partly written,
+perhaps), and they may not be over yet: NIXL's UCX backend does not stop a READ whose
+handle is released (see ``Agent.release``), so a READ that outlived its deadline may
+still land. Such a pull's completion comes at once, for the client's sake, with
+``settled`` False; the manager keeps its handle and polls it until NIXL says DONE or
+ERR, and only then lists the pull in ``settled()``: until then the owner must neither
+reuse nor free the destination (``serving.worker`` holds the request's blocks and slot).
+Parameters that are malformed, point outside the peer's regions, or name an agent that
+is not (or no longer) the peer at the given address are refused by ``pull()`` with
+``TransferParamsError`` before anything is posted.
 
 Threading: ``poll()`` is two halves, so that a source answers ``done`` at once even while
 its owner is busy (a worker's engine thread, inside a prefill step of hundreds of ms):
@@ -59,7 +61,7 @@ its owner is busy (a worker's engine thread, inside a prefill step of hundreds o
   on any thread, and usually runs on a ``transfer.progress.ProgressThread``;
 * ``collect()`` belongs to the owner's thread: it runs the queued ``on_free`` callbacks
   (which give memory back to an engine that only its own thread may touch) and returns the
-  completions; ``landed()`` likewise.
+  completions; ``landed()`` and ``settled()`` likewise.
 
 ``pin``, ``unpin``, ``pull``, ``connect`` and ``peer_lost`` belong to the owner as well. All
 state is guarded by one lock, and every NIXL call is made under it, so calls into the agent
@@ -91,6 +93,7 @@ log = logging.getLogger(__name__)
 ERROR, TIMEOUT, PEER_GONE, STALE = "error", "timeout", "peer_gone", "stale"
 RESEND = 0.25  # seconds between repeats of an unacknowledged "done"
 REMEMBERED = 65536  # completed leases a source remembers, to re-ack repeated "done"s
+DRAIN_WARN = 60.0  # seconds between logs of a failed READ that still runs
 # Seconds between polls while a READ into VRAM is in flight: a whole request lands in about
 # a millisecond over cuda_ipc, and a 0.5 ms poll put a ~0.6 ms floor under every READ
 # (bench/RESULTS.md, issue 5). DRAM READs take tens of ms; they poll every 0.5 to 1 ms.
@@ -135,10 +138,22 @@ class Completion:
     # "post" (NIXL initialize + post of the READ), "read" (until NIXL reported the READ
     # done, as seen by poll()), "ack" (from then until the source's ack).
     phases: dict = dataclasses.field(default_factory=dict)
+    # False: a failed pull whose READ may still write into the destination; the pull
+    # id appears in ``TransferManager.settled()`` once it cannot
+    settled: bool = True
 
     @property
     def ok(self) -> bool:
         return self.error is None
+
+
+@dataclasses.dataclass
+class _Drain:
+    """A failed pull's READ that NIXL has not ended: its destination stays held."""
+
+    handle: object
+    peer: str
+    warn_at: float  # when to log that it still runs
 
 
 @dataclasses.dataclass
@@ -164,6 +179,7 @@ class _Pull:
     next_done: float = 0.0  # when to repeat "done" if the source has not acked
     ack: str | None = None
     hung: bool = False
+    settled: bool = True  # False while its failed READ drains
     queued: bool = False  # held back until the first pull on a fresh connection completes
     marks: dict = dataclasses.field(default_factory=dict)  # phase -> monotonic time it ended
 
@@ -200,6 +216,10 @@ class TransferManager:
         # outside the lock (up to 0.2 s): (pull, kind, detail, notify)
         self._suspects: list[tuple[_Pull, str, str, bool]] = []
         self._landed: list[int] = []  # pulls whose READ finished, not yet returned by landed()
+        self._draining: dict[int, _Drain] = {}  # failed pulls whose READ NIXL has not ended
+        self._ended: set[int] = set()  # drained, not yet returned by settled()
+        self._handed: set[int] = set()  # unsettled completions collect() has returned
+        self._forget: set[str] = set()  # lost peers to remove once their READs drain
         # leases freed by progress(), their on_free not yet run by collect(): (lease, held, reason)
         self._freed: list[tuple[str, _Lease, str]] = []
         self._proven: set[str] = set()  # peers with a completed pull: connection fully set up
@@ -239,7 +259,12 @@ class TransferManager:
             self._addresses.pop(name, None)
             self._proven.discard(name)
             if known is not None:
-                self.agent.remove_peer(name)
+                # NIXL stops asking UCX about a removed peer's READs (they read ERR), so
+                # one that is draining keeps the peer until it ends
+                if any(d.peer == name for d in self._draining.values()):
+                    self._forget.add(name)
+                else:
+                    self.agent.remove_peer(name)
 
     # ---- source side ---------------------------------------------------------------------
 
@@ -430,9 +455,14 @@ class TransferManager:
 
     def _fail(self, p: _Pull, kind: str, detail: str, notify: bool = True) -> None:
         """An error or timeout is reported as peer_gone if the peer no longer answers: a
-        forgotten peer at once, one with an address after progress() has pinged it."""
-        if p.handle is not None and not self.agent.release(p.handle):
-            self._zombies.append(p.handle)
+        forgotten peer at once, one with an address after progress() has pinged it. A
+        READ still in flight goes on draining (see the module's docstring)."""
+        if p.handle is not None:
+            if self.agent.state(p.handle) == "PROC":
+                self._draining[p.id] = _Drain(p.handle, p.peer, time.monotonic() + DRAIN_WARN)
+                p.settled = False
+            elif not self.agent.release(p.handle):
+                self._zombies.append(p.handle)
         p.handle = None
         self._pulls.pop(p.id, None)
         if kind in (ERROR, TIMEOUT):
@@ -471,7 +501,7 @@ class TransferManager:
         if error is None:
             phases["ack"] = end - last
         self._done.append(Completion(p.id, p.lease, error, p.plan.nbytes, p.plan.count,
-                                     end - p.started, phases))
+                                     end - p.started, phases, p.settled))
 
     @property
     def pending(self) -> int:
@@ -485,8 +515,9 @@ class TransferManager:
 
     @property
     def busy(self) -> bool:
-        """Whether a lease or a pull is open, so a message may be due any moment."""
-        return bool(self._leases or self._pulls or self._suspects)
+        """Whether a lease or a pull is open, so a message may be due any moment (or a
+        failed READ is draining)."""
+        return bool(self._leases or self._pulls or self._suspects or self._draining)
 
     # ---- progress ------------------------------------------------------------------------
 
@@ -502,11 +533,14 @@ class TransferManager:
             self._progress()
             suspects, self._suspects = self._suspects, []
             if not suspects:  # the usual case: one lock scope a call
-                return bool(self._done or self._landed or self._freed)
+                return self._ready()
             addresses = {p.peer: self._addresses.get(p.peer) for p, *_ in suspects}
         self._judge(suspects, addresses)
         with self._lock:
-            return bool(self._done or self._landed or self._freed)
+            return self._ready()
+
+    def _ready(self) -> bool:
+        return bool(self._done or self._landed or self._freed or self._ended & self._handed)
 
     def collect(self) -> list[Completion]:
         """Owner's thread: run the ``on_free`` callbacks of leases that ``progress()`` freed,
@@ -514,6 +548,7 @@ class TransferManager:
         with self._lock:
             freed, self._freed = self._freed, []
             done, self._done = self._done, []
+            self._handed.update(c.pull_id for c in done if not c.settled)
         for lease, held, reason in freed:
             _run_on_free(lease, held, reason)
         return done
@@ -546,6 +581,44 @@ class TransferManager:
         for lease in [k for k, v in self._leases.items() if v.expires <= now]:
             self._free(lease, "expired")
         self._zombies = [h for h in self._zombies if not self.agent.release(h)]
+        self._drain(now)
+
+    def _drain(self, now: float) -> None:
+        """End the failed READs that NIXL reports ended. No deadline: UCX fails the
+        requests of a peer it finds dead (keepalive), and until a READ ends its
+        destination may change, so none of it is handed back before; a long drain is
+        logged every ``DRAIN_WARN`` seconds."""
+        for pid, d in list(self._draining.items()):
+            if self.agent.state(d.handle) == "PROC":
+                if now >= d.warn_at:
+                    log.warning("the failed READ of pull %d from %s is still in flight; "
+                                "its destination stays held", pid, d.peer)
+                    d.warn_at = now + DRAIN_WARN
+                continue
+            del self._draining[pid]
+            if not self.agent.release(d.handle):
+                self._zombies.append(d.handle)
+            self._ended.add(pid)
+        for peer in [q for q in self._forget
+                     if not any(d.peer == q for d in self._draining.values())]:
+            self._forget.discard(peer)
+            if peer not in self._peers:  # not reconnected meanwhile
+                self.agent.remove_peer(peer)
+
+    def settled(self) -> list[int]:
+        """Failed pulls, completed with ``settled`` False and already returned by
+        ``collect()``, whose READ has ended since: their destination may now be reused
+        or freed."""
+        with self._lock:
+            out = sorted(self._ended & self._handed)
+            self._ended.difference_update(out)
+            self._handed.difference_update(out)
+        return out
+
+    @property
+    def draining(self) -> int:
+        """Failed READs still in flight."""
+        return len(self._draining)
 
     def landed(self) -> list[int]:
         """Pulls whose READ has finished since the last call (the bytes are in place).
@@ -613,7 +686,10 @@ class TransferManager:
             for p in list(self._pulls.values()):
                 if p.handle is not None:
                     self.agent.release(p.handle)
+            for d in self._draining.values():
+                self.agent.release(d.handle)
             self._pulls.clear()
+            self._draining.clear()
             self.agent.close()
 
 

@@ -11,7 +11,8 @@ So this thread calls ``manager.progress()``: every ``busy`` seconds while a leas
 open (every ``manager.pull_poll(busy)`` seconds while a READ is in flight), otherwise
 every ``idle`` seconds (UCX must still advance: a peer may READ at any time) or as soon
 as the owner pins or pulls (``manager.opened``). Whenever ``progress()``
-leaves something for the owner (completions, landed READs, freed leases) it calls
+leaves something for the owner (completions, landed READs, freed leases, settled
+READs) it calls
 ``on_ready()``, which wakes the owner to ``collect()`` it between its steps.
 
 Why this is safe: ``progress()`` touches only the manager's own state, under its lock,
