@@ -26,24 +26,36 @@ def _engine():
                   batch_type=FakeBatch)
 
 
-@pytest.mark.parametrize("landed", [False, True])
-def test_failed_pull_frees_the_request_at_once(landed):
-    """A pull that fails (before or after its READ landed) ends the request with the
-    error and returns its blocks and slot: it never decodes from unwritten memory."""
+def _transfers(landed=(), completions=(), settled=()):
+    """A stand-in for the transfer manager's owner-side calls, one tick's worth."""
+    return SimpleNamespace(landed=lambda: list(landed), collect=lambda: list(completions),
+                           settled=lambda: list(settled))
+
+
+def _decode_worker_with_a_pull(pull_id):
+    """An engine holding one remote request whose pull is ``pull_id``, a stand-in worker
+    around it, and the lists of requests it failed and confirmations it resolved."""
     eng = _engine()
     prompt = [5, 6, 7, 8, 9, 10]
     rid, _, _ = eng.add_remote_request(prompt, reference_next(prompt, VOCAB),
                                        SamplingParams(max_tokens=8, temperature=0))
     failed, confirmed = [], []
     w = SimpleNamespace(
-        recompute=False, _pulls={7: rid}, _started=set(), _draining={},
-        counters=collections.Counter(),
-        transfer=SimpleNamespace(landed=lambda: [7] if landed else [], collect=lambda: [],
-                                 settled=lambda: []),
+        recompute=False, _pulls={pull_id: rid}, _started=set(), _draining={},
+        counters=collections.Counter(), transfer=_transfers(),
         engine=SimpleNamespace(fail=lambda r, e: failed.append(r)),
         _confirm=lambda r, e=None: confirmed.append((r, e)))
+    return eng, rid, w, failed, confirmed
+
+
+@pytest.mark.parametrize("landed", [False, True])
+def test_failed_pull_frees_the_request_at_once(landed):
+    """A pull that fails (before or after its READ landed) ends the request with the
+    error and returns its blocks and slot: it never decodes from unwritten memory."""
+    eng, rid, w, failed, confirmed = _decode_worker_with_a_pull(7)
+    w.transfer = _transfers(landed=[7] if landed else [])
     worker_mod.Worker._tick(w, eng)  # the READ landed (or not yet)
-    w.transfer = SimpleNamespace(landed=lambda: [], settled=lambda: [], collect=lambda: [
+    w.transfer = _transfers(completions=[
         Completion(7, "lease", TransferError("error", "injected"), 0, 0, 0.0)])
     worker_mod.Worker._tick(w, eng)
     assert failed == [rid] and confirmed[0][0] == rid
@@ -58,31 +70,17 @@ def test_failed_pull_whose_read_runs_on_holds_its_memory_until_the_read_ends():
     """NIXL's UCX backend does not stop a released READ: a pull that timed out with its
     READ in flight (``settled`` False) fails the request at once, but its blocks and slot
     stay out of the pools, where the READ may still write, until ``settled()`` lists it."""
-    eng = _engine()
-    prompt = [5, 6, 7, 8, 9, 10]
-    rid, _, _ = eng.add_remote_request(prompt, reference_next(prompt, VOCAB),
-                                       SamplingParams(max_tokens=8, temperature=0))
-    failed, confirmed = [], []
-    w = SimpleNamespace(
-        recompute=False, _pulls={7: rid}, _started=set(), _draining={},
-        counters=collections.Counter(),
-        transfer=SimpleNamespace(landed=lambda: [], settled=lambda: [], collect=lambda: [
-            Completion(7, "lease", TransferError("timeout", "deadline"), 0, 0, 0.0,
-                       settled=False)]),
-        engine=SimpleNamespace(fail=lambda r, e: failed.append(r)),
-        _confirm=lambda r, e=None: confirmed.append((r, e)))
+    eng, rid, w, failed, confirmed = _decode_worker_with_a_pull(7)
+    w.transfer = _transfers(completions=[
+        Completion(7, "lease", TransferError("timeout", "deadline"), 0, 0, 0.0, settled=False)])
     worker_mod.Worker._tick(w, eng)
     assert failed == [rid] and isinstance(confirmed[0][1], worker_mod.TransferFailed)
-    eng.fence.wait_all()
-    assert eng.blocks.num_free < NUM_BLOCKS and eng.slots.num_free < SLOTS
-    w.transfer = SimpleNamespace(landed=lambda: [], settled=lambda: [], collect=lambda: [])
-    worker_mod.Worker._tick(w, eng)  # still in flight
-    eng.fence.wait_all()
-    assert eng.blocks.num_free < NUM_BLOCKS and eng.slots.num_free < SLOTS
-    w.transfer = SimpleNamespace(landed=lambda: [], settled=lambda: [7], collect=lambda: [])
-    worker_mod.Worker._tick(w, eng)  # the READ ended
-    eng.fence.wait_all()
-    assert eng.blocks.num_free == NUM_BLOCKS and eng.slots.num_free == SLOTS
+    for settled, freed in (([], False), ([7], True)):  # still in flight, then ended
+        w.transfer = _transfers(settled=settled)
+        worker_mod.Worker._tick(w, eng)
+        eng.fence.wait_all()
+        assert (eng.blocks.num_free == NUM_BLOCKS) == freed
+        assert (eng.slots.num_free == SLOTS) == freed
     assert rid not in eng.requests and not eng.has_unfinished() and not w._draining
     eng.close()
 
