@@ -14,6 +14,7 @@ update: host memory never holds more than one tensor.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -258,11 +259,24 @@ def init_random(cfg: Qwen35Config, seed: int = 0, dtype=jnp.bfloat16, *, mesh=No
                 ) -> Qwen35ForCausalLM:
     """Random weights created directly on device (one jitted program), for benchmarks;
     with ``mesh``, created in their sharded layout (the same values as without)."""
+    graphdef, init = _init_program(cfg, dtype, mesh)
+    return nnx.merge(graphdef, init(jax.random.key(seed)))
+
+
+@functools.lru_cache(maxsize=16)
+def _init_program(cfg: Qwen35Config, dtype, mesh):
+    """The model's graph and the jitted initialiser of its state for one (config, dtype,
+    mesh); the initialiser takes the seed's key as an argument, so another model of the
+    same shapes (another seed, or the same preset again) reuses the compiled program.
+    Compiling it is most of ``init_random``'s time on CPU (every parameter's threefry
+    stream is inlined: about 10 s for ``tiny-moe``), and one process often builds the
+    same preset several times (the test suite, a benchmark sweep). The values are those
+    of ``nnx.Rngs(seed)``, which makes its key with the same ``jax.random.key(seed)``."""
     graphdef, abstract = nnx.split(abstract_model(cfg, dtype))
     out = None if mesh is None else sharding.param_shardings(cfg, abstract, mesh)
-    state = jax.jit(lambda: nnx.state(Qwen35ForCausalLM(cfg, rngs=nnx.Rngs(seed), dtype=dtype)),
-                    out_shardings=out)()
-    return nnx.merge(graphdef, state)
+    return graphdef, jax.jit(
+        lambda key: nnx.state(Qwen35ForCausalLM(cfg, rngs=nnx.Rngs(key), dtype=dtype)),
+        out_shardings=out)
 
 
 def save_params(model: Qwen35ForCausalLM, path: str | os.PathLike) -> None:
