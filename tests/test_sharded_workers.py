@@ -28,14 +28,20 @@ from host_devices import child_records
 from test_disagg import Stack, pools_full, prompts, run_all
 
 from serving.engine import SamplingParams
+from serving.engine.buckets import Buckets
 from serving.router import Router
 from serving.ports import free_port
 
 LIMITS = {"max_num_seqs": 8, "max_num_batched_tokens": 128, "max_model_len": 256,
           "block_size": 16, "num_blocks": 128}
-FLAGS = ["--model", "tiny-moe", "--prefill-token-buckets", "128", "--prefill-seq-buckets", "8",
-         "--decode-seq-buckets", "8", "--max-logprobs", "0", "--transfer-timeout", "40",
-         "--lease-ttl", "60", "--log-level", "warning",
+# The workers' shape buckets; the reference engine compiles the same ones (``reference``).
+BUCKETS = Buckets(prefill_tokens=(128,), prefill_seqs=(8,), decode_seqs=(8,))
+FLAGS = ["--model", "tiny-moe",
+         "--prefill-token-buckets", ",".join(map(str, BUCKETS.prefill_tokens)),
+         "--prefill-seq-buckets", ",".join(map(str, BUCKETS.prefill_seqs)),
+         "--decode-seq-buckets", ",".join(map(str, BUCKETS.decode_seqs)),
+         "--max-logprobs", "0", "--transfer-timeout", "40", "--lease-ttl", "60",
+         "--log-level", "warning",
          *(f for k, v in LIMITS.items() for f in (f"--{k.replace('_', '-')}", str(v)))]
 MESHES = [("prefill", ["--tp", "2"]), ("decode", ["--ep", "2"]), ("decode", [])]
 
@@ -71,10 +77,13 @@ def stack():
 
 @pytest.fixture(scope="module")
 def reference():
-    """Aggregated engine on one device, same preset and seed: the oracle for greedy tokens."""
+    """Aggregated engine on one device, same preset and seed: the oracle for greedy tokens.
+    It compiles the workers' buckets, not the default ones (as test_disagg's reference):
+    that greedy tokens do not depend on the bucket a step is padded to is
+    test_engine_model's assertion."""
     from serving.llm import LLM
 
-    return LLM("tiny-moe", **LIMITS)
+    return LLM("tiny-moe", **LIMITS, buckets=BUCKETS)
 
 
 def test_greedy_tokens_across_meshes_equal_single_device(stack, reference, record_property):
