@@ -39,14 +39,14 @@ GDN_PREFILL = {
     "default": dict(_PREFILL_BASE),
 }
 
-# GDN decode: state tile [dk, bv] per program.
-GDN_DECODE = {
-    # H200 2026-11-30 (bench/RESULTS.md, run 3): bv 64 / 4 warps best of 12 for
-    # both fp32 (87% of copy bandwidth at N256 Hv64) and bf16 state (71%)
-    "sm90": dict(bv=64, warps=4, stages=2),
-    "sm100": dict(bv=64, warps=4, stages=2),
-    "default": dict(bv=64, warps=4, stages=2),
-}
+# GDN decode: state tile [dk, bv] per program, by the state's bytes per element; mma:
+# the two sums over dk as one tensor-core product (16-bit states only).
+# H200: fp32 bv 64 / 4 warps best of 12 (bench/RESULTS.md, run 3: 83-85 % of a
+# pool-sized copy in decode run 4); bf16 with the product, bv 128 / 4 warps best of 5
+# (decode run 5: 73-74 % against 67-69 % for the reductions)
+_DECODE = {4: dict(bv=64, warps=4, stages=2, mma=False),
+           2: dict(bv=128, warps=4, stages=2, mma=True)}
+GDN_DECODE = {"sm90": _DECODE, "sm100": _DECODE, "default": _DECODE}
 
 # causal conv1d: token block bt x channel block bc.
 CONV1D = {
@@ -145,8 +145,9 @@ def gdn_prefill_config(dv, arch=None):
     return GDN_PREFILL[_family(arch or gpu_arch())]
 
 
-def gdn_decode_config(dv, state_dtype=None, arch=None):
-    return GDN_DECODE[_family(arch or gpu_arch())]
+def gdn_decode_config(dv, state_dtype=jnp.float32, arch=None):
+    table = GDN_DECODE[_family(arch or gpu_arch())]
+    return table[min(jnp.dtype(state_dtype).itemsize, 4)]
 
 
 def conv1d_config(arch=None):

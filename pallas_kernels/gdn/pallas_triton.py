@@ -28,7 +28,8 @@ On sm90, 16-bit inputs take the Mosaic GPU pair in ``mgpu.py`` instead (config
 main="mgpu", the table's default there): the same two launches with wgmma and TMA.
 
 Decode: grid (row, value head, V tile), state tile [dk, BV] read from the pool
-slot, updated, written back in place (input_output_aliases).
+slot, updated, written back in place (input_output_aliases); for 16-bit pools the
+two sums over dk are one tensor-core product (``_dk_sums_mma``).
 
 Out-of-bounds dynamic slices clamp in interpret mode, so the wrappers pad the
 token axis by one chunk there (on the GPU, masked loads/stores never touch
@@ -443,7 +444,7 @@ def gdn_prefill_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
 # decode
 # ----------------------------------------------------------------------------
 def _decode_kernel(slots_ref, q_ref, k_ref, v_ref, g_ref, b_ref, pool_in_ref,
-                   o_ref, pool_ref, *, ratio, use_l2, scale, bv, n_slots):
+                   o_ref, pool_ref, *, ratio, use_l2, scale, bv, n_slots, mma):
     del pool_in_ref  # aliased with pool_ref
     n = pl.program_id(0)
     h = pl.program_id(1)
@@ -460,22 +461,47 @@ def _decode_kernel(slots_ref, q_ref, k_ref, v_ref, g_ref, b_ref, pool_in_ref,
         k = k * lax.rsqrt(jnp.sum(k * k) + 1e-6)
     q = q * scale
     v = v_ref[n, h, pl.ds(v0, bv)].astype(jnp.float32)
-    gv = g_ref[n, h].astype(jnp.float32)
+    decay = jnp.exp(g_ref[n, h].astype(jnp.float32))
     bt = b_ref[n, h].astype(jnp.float32)
-    S = pool_ref[sc, h, :, pl.ds(v0, bv)].astype(jnp.float32)  # [dk, bv]
-    S = S * jnp.exp(gv)
-    # both reductions over dk read the decayed state, so neither waits for the other:
-    # o = S'^T q = S^T q + vn (k . q), S' = S + k vn^T
-    kv = jnp.sum(S * k[:, None], axis=0)
-    sq = jnp.sum(S * q[:, None], axis=0)
-    vn = bt * (v - kv)
-    S = S + k[:, None] * vn[None, :]
-    o = sq + vn * jnp.sum(k * q)
+    S = pool_ref[sc, h, :, pl.ds(v0, bv)]  # [dk, bv], the pool's dtype
+    # Both sums over dk read the state before the update, so neither waits for the other
+    # (o = S'^T q = decay S^T q + vn (k . q) with S' = decay S + k vn^T), and the decay
+    # scales the sums rather than the tile.
+    kv, sq = _dk_sums_mma(S, k, q) if mma else _dk_sums(S.astype(jnp.float32), k, q)
+    vn = bt * (v - decay * kv)
+    o = decay * sq + vn * jnp.sum(k * q)
     o_ref[n, h, pl.ds(v0, bv)] = jnp.where(valid, o, 0.0).astype(o_ref.dtype)
+    S = S.astype(jnp.float32) * decay + k[:, None] * vn[None, :]
 
     @pl.when(valid)
     def _():
         pool_ref[sc, h, :, pl.ds(v0, bv)] = S.astype(pool_ref.dtype)
+
+
+def _dk_sums(S, k, q):
+    """k^T S and q^T S as reductions over the tile's rows."""
+    return jnp.sum(S * k[:, None], axis=0), jnp.sum(S * q[:, None], axis=0)
+
+
+def _dk_sums_mma(S, k, q):
+    """k^T S and q^T S for a 16-bit tile as one tensor-core product, [16, dk] x [dk, bv].
+
+    The cross-warp reductions of ``_dk_sums`` made the bf16-pool kernel wait on its own
+    instructions (bench/RESULTS.md, decode run 5). The tile enters the product as loaded;
+    k and q enter as two 16-bit rows each, value and remainder (hi + lo carry them to
+    ~2^-16 relative), in rows 0-3 of an otherwise zero operand.
+    """
+    rows = lax.broadcasted_iota(jnp.int32, (16, k.shape[0]), 0)
+    parts = []
+    for x in (k, q):
+        hi = x.astype(S.dtype)
+        parts += [hi, (x - hi.astype(jnp.float32)).astype(S.dtype)]
+    A = jnp.zeros((16, k.shape[0]), S.dtype)
+    for i, part in enumerate(parts):
+        A = jnp.where(rows == i, part[None, :], A)
+    R = lax.dot_general(A, S, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    r = lax.broadcasted_iota(jnp.int32, R.shape, 0)
+    return jnp.sum(jnp.where(r < 2, R, 0.0), axis=0), jnp.sum(jnp.where((r >= 2) & (r < 4), R, 0.0), axis=0)
 
 
 def gdn_decode_pallas(q, k, v, g, beta, state_pool, slots, *, scale=None,
@@ -493,7 +519,8 @@ def gdn_decode_pallas(q, k, v, g, beta, state_pool, slots, *, scale=None,
         bv = dv
     o, pool = pl.pallas_call(
         functools.partial(_decode_kernel, ratio=Hv // Hk, use_l2=use_qk_l2norm,
-                          scale=float(scale), bv=bv, n_slots=P),
+                          scale=float(scale), bv=bv, n_slots=P,
+                          mma=cfg["mma"] and state_pool.dtype.itemsize == 2),
         out_shape=(jax.ShapeDtypeStruct((N, Hv, dv), v.dtype),
                    jax.ShapeDtypeStruct(state_pool.shape, state_pool.dtype)),
         grid=(N, Hv, dv // bv),
