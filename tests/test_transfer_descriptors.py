@@ -70,6 +70,8 @@ def test_empty_transfer_has_no_descriptors():
     ([("kv", 0)], blocks("kv", [0]), r"local item 0: expected \(region, offset, length\)"),
     (blocks("kv", [0, 1]), blocks("kv", [0]), "local items hold 2048 bytes but remote items 1024"),
     ([("kv", 0, 2 * B), ("kv", B, B)], blocks("kv", [0, 1, 2]), "overlap"),
+    # the overlapping destination items read from different source regions
+    ([("kv", 0, 2 * B), ("kv", B, 512)], blocks("kv", [0, 1]) + [("ssm", 0, 512)], "overlap in region 'kv'"),
 ])
 def test_malformed_items_are_refused_precisely(local, remote, message):
     with pytest.raises(DescriptorError, match=message):
@@ -106,3 +108,6 @@ def test_random_plans_copy_exactly_the_stream():
         assert dict(zip(got.tolist(), src.tolist())) == dict(zip(addresses(local).tolist(),
                                                                   addresses(remote).tolist()))
         assert p.count <= len(local) + len(remote)
+        # as few as the layout allows: no descriptor continues another on both sides
+        ends = {(a + k, b + k) for (a, k, _), (b, _, _) in zip(p.local.tolist(), p.remote.tolist())}
+        assert not ends & {(a, b) for (a, _, _), (b, _, _) in zip(p.local.tolist(), p.remote.tolist())}

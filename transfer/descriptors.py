@@ -75,11 +75,14 @@ def _columns(items: list, regions: Mapping[str, Region], side: str) -> _Columns:
         offset, length = np.array(offsets), np.array(lengths)
     except (TypeError, ValueError):
         _explain(items, regions, side)
-    sizes = np.array([regions[n].nbytes for n in names], np.int64)
-    if items and (offset.dtype.kind != "i" or length.dtype.kind != "i" or (region < 0).any()
-                  or (offset < 0).any() or (length <= 0).any()
-                  or (offset + length > sizes[region]).any()):
-        _explain(items, regions, side)
+    if items:
+        if offset.dtype.kind != "i" or length.dtype.kind != "i":
+            _explain(items, regions, side)
+        sizes = np.array([regions[n].nbytes for n in names], np.int64)
+        # one test for every bound (each NumPy call costs microseconds, and planning is
+        # on the path of every pull); the slow path names the first bad item
+        if ((region < 0) | (offset < 0) | (length <= 0) | (offset + length > sizes[region])).any():
+            _explain(items, regions, side)
     return _Columns(names, region, offset.astype(np.int64).reshape(-1), length.astype(np.int64).reshape(-1))
 
 
@@ -143,49 +146,48 @@ def plan(local_items: Sequence[Item], local_regions: Mapping[str, Region],
     total_local, total_remote = int(local.length.sum()), int(remote.length.sum())
     if total_local != total_remote:
         raise DescriptorError(f"local items hold {total_local} bytes but remote items {total_remote}")
-    # destination items that overlap would make the result ambiguous
-    _merge_runs([local.region], [local.offset], local.length, [local.names])
     # split the stream at every item boundary of either side
     lstart = np.cumsum(local.length) - local.length
     rstart = np.cumsum(remote.length) - remote.length
     cuts = np.union1d(lstart, rstart)
-    sizes = np.diff(np.append(cuts, total_local))
+    sizes = np.concatenate((cuts[1:], [total_local])) - cuts
     li = np.searchsorted(lstart, cuts, "right") - 1
     ri = np.searchsorted(rstart, cuts, "right") - 1
     lreg, loff = local.region[li], local.offset[li] + cuts - lstart[li]
     rreg, roff = remote.region[ri], remote.offset[ri] + cuts - rstart[ri]
+    # destination pieces that overlap would make the result ambiguous (they overlap iff
+    # the destination items do: the pieces cut them up)
     (lreg, rreg), (loff, roff), sizes = _merge_runs(
-        [lreg, rreg], [loff, roff], sizes, [local.names, remote.names], overlap_ok=True)
+        [lreg, rreg], [loff, roff], sizes, [local.names, remote.names])
     return Plan(_rows(lreg, loff, sizes, local.names, local_regions),
                 _rows(rreg, roff, sizes, remote.names, remote_regions), total_local)
 
 
 def _merge_runs(regions: list[np.ndarray], offsets: list[np.ndarray], length: np.ndarray,
                 names: list[list[str]], overlap_ok: bool = False):
-    """Sort pieces by their regions, then offsets (first side first); merge those contiguous
-    on every side within the same regions.
+    """Sort pieces by the first side's region, then offset; merge neighbours that are
+    contiguous on every side within the same regions. (Pieces that merge are contiguous on
+    the first side, so they are neighbours in its order unless they overlap there.)
 
     Raises DescriptorError if pieces overlap on the first side (unless ``overlap_ok``).
     """
     if len(length) == 0:
         return regions, offsets, length
-    order = np.lexsort((*offsets[::-1], *regions[::-1]))
+    order = np.lexsort((offsets[0], regions[0]))
     regions = [r[order] for r in regions]
     offsets = [o[order] for o in offsets]
     length = length[order]
-    same = np.ones(len(length) - 1, bool)
-    for r in regions:
-        same &= r[1:] == r[:-1]
+    ends = offsets[0][:-1] + length[:-1]
+    same = regions[0][1:] == regions[0][:-1]
     if not overlap_ok:
-        ends = offsets[0][:-1] + length[:-1]
         bad = np.flatnonzero(same & (offsets[0][1:] < ends))
         if len(bad):
             j = bad[0] + 1
             raise DescriptorError(
                 f"items overlap in region {names[0][regions[0][j]]!r} at byte {offsets[0][j]}")
-    joins = same.copy()
-    for o in offsets:
-        joins &= o[1:] == o[:-1] + length[:-1]
+    joins = same & (offsets[0][1:] == ends)
+    for r, o in zip(regions[1:], offsets[1:]):
+        joins &= (r[1:] == r[:-1]) & (o[1:] == o[:-1] + length[:-1])
     starts = np.flatnonzero(np.concatenate(([True], ~joins)))
     return ([r[starts] for r in regions], [o[starts] for o in offsets],
             np.add.reduceat(length, starts))
@@ -193,12 +195,11 @@ def _merge_runs(regions: list[np.ndarray], offsets: list[np.ndarray], length: np
 
 def _rows(region: np.ndarray, offset: np.ndarray, length: np.ndarray, names: list[str],
           regions: Mapping[str, Region]) -> np.ndarray:
-    base = np.array([regions[n].addr for n in names], np.uint64)
-    device = np.array([regions[n].device_id for n in names], np.uint64)
-    if len(length) == 0:
-        return np.zeros((0, 3), np.uint64)
-    return np.stack([base[region] + offset.astype(np.uint64), length.astype(np.uint64),
-                     device[region]], axis=1)
+    rows = np.empty((len(length), 3), np.uint64)
+    rows[:, 0] = np.array([regions[n].addr for n in names], np.uint64)[region] + offset.astype(np.uint64)
+    rows[:, 1] = length
+    rows[:, 2] = np.array([regions[n].device_id for n in names], np.uint64)[region]
+    return rows
 
 
 def _is_int(v) -> bool:
