@@ -1,4 +1,4 @@
-"""Does releasing a NIXL READ stop it? A probe of the behaviour ``transfer.manager``
+"""Does releasing a NIXL READ stop it? A probe of the behaviour ``transfer.drain``
 depends on: it posts one READ of many descriptors between two agents in this process
 (DRAM), releases the handle at once, and counts the destination bytes that land
 afterwards. With NIXL 1.5.1's UCX backend they keep landing (bench/RESULTS.md,

@@ -25,15 +25,20 @@ from serving.engine.buckets import Buckets
 from serving.router import Router, WorkerFailed
 from serving.ports import free_port
 
+
+def bucket_flags(buckets: Buckets) -> list[str]:
+    """A worker's flags for ``buckets``, the shapes it compiles."""
+    return ["--prefill-token-buckets", ",".join(map(str, buckets.prefill_tokens)),
+            "--prefill-seq-buckets", ",".join(map(str, buckets.prefill_seqs)),
+            "--decode-seq-buckets", ",".join(map(str, buckets.decode_seqs))]
+
+
 # The workers' shape buckets; the reference engine compiles the same ones (``_reference``).
 BUCKETS = Buckets(prefill_tokens=(64, 256), prefill_seqs=(16,), decode_seqs=(16,))
 FLAGS = ["--model", "tiny", "--max-num-seqs", "16", "--max-num-batched-tokens", "256",
-         "--max-model-len", "512", "--block-size", "16",
-         "--prefill-token-buckets", ",".join(map(str, BUCKETS.prefill_tokens)),
-         "--prefill-seq-buckets", ",".join(map(str, BUCKETS.prefill_seqs)),
-         "--decode-seq-buckets", ",".join(map(str, BUCKETS.decode_seqs)), "--max-logprobs", "0",
-         "--transfer-timeout", "20", "--lease-ttl", "60", "--enable-fault-injection",
-         "--log-level", "warning"]
+         "--max-model-len", "512", "--block-size", "16", *bucket_flags(BUCKETS),
+         "--max-logprobs", "0", "--transfer-timeout", "20", "--lease-ttl", "60",
+         "--enable-fault-injection", "--log-level", "warning"]
 
 
 class Stack:

@@ -25,7 +25,7 @@ import sys
 import httpx
 import pytest
 from host_devices import child_records
-from test_disagg import Stack, pools_full, prompts, run_all
+from test_disagg import Stack, bucket_flags, pools_full, prompts, run_all
 
 from serving.engine import SamplingParams
 from serving.engine.buckets import Buckets
@@ -36,10 +36,7 @@ LIMITS = {"max_num_seqs": 8, "max_num_batched_tokens": 128, "max_model_len": 256
           "block_size": 16, "num_blocks": 128}
 # The workers' shape buckets; the reference engine compiles the same ones (``reference``).
 BUCKETS = Buckets(prefill_tokens=(128,), prefill_seqs=(8,), decode_seqs=(8,))
-FLAGS = ["--model", "tiny-moe",
-         "--prefill-token-buckets", ",".join(map(str, BUCKETS.prefill_tokens)),
-         "--prefill-seq-buckets", ",".join(map(str, BUCKETS.prefill_seqs)),
-         "--decode-seq-buckets", ",".join(map(str, BUCKETS.decode_seqs)),
+FLAGS = ["--model", "tiny-moe", *bucket_flags(BUCKETS),
          "--max-logprobs", "0", "--transfer-timeout", "40", "--lease-ttl", "60",
          "--log-level", "warning",
          *(f for k, v in LIMITS.items() for f in (f"--{k.replace('_', '-')}", str(v)))]

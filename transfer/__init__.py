@@ -7,6 +7,7 @@ Knows regions, offsets and lengths, never models or requests (it imports nothing
 * ``descriptors``: items -> as few NIXL descriptors as the layout allows;
 * ``agent``: a NIXL agent (UCX) with its regions registered once;
 * ``handshake``: side channel for metadata and the compatibility check;
+* ``drain``: failed pulls whose READ still runs, held until NIXL ends it;
 * ``manager``: pin under a lease, pull (READ) with notification, timeouts, failure reports;
 * ``progress``: a thread that runs the manager's protocol while its owner is busy.
 

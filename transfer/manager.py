@@ -41,13 +41,9 @@ once the handshake is done:
 Failures arrive as completions within the pull's timeout (plus one poll): a NIXL error
 ("error", or "peer_gone" when the peer's side channel no longer answers), a deadline
 ("timeout"), a freed lease ("stale"), or ``peer_lost()`` called by the owner
-("peer_gone"). After a failed pull the destination bytes are undefined (partly written,
-perhaps), and they may not be over yet: NIXL's UCX backend does not stop a READ whose
-handle is released (see ``Agent.release``), so a READ that outlived its deadline may
-still land. Such a pull's completion comes at once, for the client's sake, with
-``settled`` False; the manager keeps its handle and polls it until NIXL says DONE or
-ERR, and only then lists the pull in ``settled()``: until then the owner must neither
-reuse nor free the destination (``serving.worker`` holds the request's blocks and slot).
+("peer_gone"). After a failed pull the destination bytes are undefined, and a READ still
+in flight may go on writing them: such a pull completes with ``settled`` False, and
+``settled()`` lists it once NIXL has ended the READ (``transfer.drain`` says why).
 Parameters that are malformed, point outside the peer's regions, or name an agent that
 is not (or no longer) the peer at the given address are refused by ``pull()`` with
 ``TransferParamsError`` before anything is posted.
@@ -85,6 +81,7 @@ from typing import Callable, Iterable, Sequence
 
 from transfer import descriptors
 from transfer.agent import Agent, PeerDisconnected
+from transfer.drain import Drains
 from transfer.handshake import (Address, CompatibilityError, HandshakeError, HandshakeServer, Hello,
                                 exchange, ping)
 
@@ -93,7 +90,6 @@ log = logging.getLogger(__name__)
 ERROR, TIMEOUT, PEER_GONE, STALE = "error", "timeout", "peer_gone", "stale"
 RESEND = 0.25  # seconds between repeats of an unacknowledged "done"
 REMEMBERED = 65536  # completed leases a source remembers, to re-ack repeated "done"s
-DRAIN_WARN = 60.0  # seconds between logs of a failed READ that still runs
 # Seconds between polls while a READ into VRAM is in flight: a whole request lands in about
 # a millisecond over cuda_ipc, and a 0.5 ms poll put a ~0.6 ms floor under every READ
 # (bench/RESULTS.md, issue 5). DRAM READs take tens of ms; they poll every 0.5 to 1 ms.
@@ -145,15 +141,6 @@ class Completion:
     @property
     def ok(self) -> bool:
         return self.error is None
-
-
-@dataclasses.dataclass
-class _Drain:
-    """A failed pull's READ that NIXL has not ended: its destination stays held."""
-
-    handle: object
-    peer: str
-    warn_at: float  # when to log that it still runs
 
 
 @dataclasses.dataclass
@@ -216,10 +203,7 @@ class TransferManager:
         # outside the lock (up to 0.2 s): (pull, kind, detail, notify)
         self._suspects: list[tuple[_Pull, str, str, bool]] = []
         self._landed: list[int] = []  # pulls whose READ finished, not yet returned by landed()
-        self._draining: dict[int, _Drain] = {}  # failed pulls whose READ NIXL has not ended
-        self._ended: set[int] = set()  # drained, not yet returned by settled()
-        self._handed: set[int] = set()  # unsettled completions collect() has returned
-        self._forget: set[str] = set()  # lost peers to remove once their READs drain
+        self._drains = Drains(agent, self._release)  # failed pulls whose READ NIXL has not ended
         # leases freed by progress(), their on_free not yet run by collect(): (lease, held, reason)
         self._freed: list[tuple[str, _Lease, str]] = []
         self._proven: set[str] = set()  # peers with a completed pull: connection fully set up
@@ -259,12 +243,7 @@ class TransferManager:
             self._addresses.pop(name, None)
             self._proven.discard(name)
             if known is not None:
-                # NIXL stops asking UCX about a removed peer's READs (they read ERR), so
-                # one that is draining keeps the peer until it ends
-                if any(d.peer == name for d in self._draining.values()):
-                    self._forget.add(name)
-                else:
-                    self.agent.remove_peer(name)
+                self._drains.remove_peer(name)
 
     # ---- source side ---------------------------------------------------------------------
 
@@ -453,16 +432,18 @@ class TransferManager:
         elif p.read_done and p.ack == "ok":
             self._finish(p, None)
 
-    def _fail(self, p: _Pull, kind: str, detail: str, notify: bool = True) -> None:
+    def _fail(self, p: _Pull, kind: str, detail: str, notify: bool = True,
+              state: str | None = None) -> None:
         """An error or timeout is reported as peer_gone if the peer no longer answers: a
         forgotten peer at once, one with an address after progress() has pinged it. A
-        READ still in flight goes on draining (see the module's docstring)."""
+        READ still in flight goes on draining (``transfer.drain``); ``state`` is its
+        state if the caller has just asked NIXL."""
         if p.handle is not None:
-            if self.agent.state(p.handle) == "PROC":
-                self._draining[p.id] = _Drain(p.handle, p.peer, time.monotonic() + DRAIN_WARN)
+            if (state or self.agent.state(p.handle)) == "PROC":
+                self._drains.add(p.id, p.handle, p.peer)
                 p.settled = False
-            elif not self.agent.release(p.handle):
-                self._zombies.append(p.handle)
+            else:
+                self._release(p.handle)
         p.handle = None
         self._pulls.pop(p.id, None)
         if kind in (ERROR, TIMEOUT):
@@ -517,7 +498,7 @@ class TransferManager:
     def busy(self) -> bool:
         """Whether a lease or a pull is open, so a message may be due any moment (or a
         failed READ is draining)."""
-        return bool(self._leases or self._pulls or self._suspects or self._draining)
+        return bool(self._leases or self._pulls or self._suspects or self._drains)
 
     # ---- progress ------------------------------------------------------------------------
 
@@ -540,7 +521,7 @@ class TransferManager:
             return self._ready()
 
     def _ready(self) -> bool:
-        return bool(self._done or self._landed or self._freed or self._ended & self._handed)
+        return bool(self._done or self._landed or self._freed or self._drains.ready)
 
     def collect(self) -> list[Completion]:
         """Owner's thread: run the ``on_free`` callbacks of leases that ``progress()`` freed,
@@ -548,7 +529,7 @@ class TransferManager:
         with self._lock:
             freed, self._freed = self._freed, []
             done, self._done = self._done, []
-            self._handed.update(c.pull_id for c in done if not c.settled)
+            self._drains.handed(c.pull_id for c in done if not c.settled)
         for lease, held, reason in freed:
             _run_on_free(lease, held, reason)
         return done
@@ -561,13 +542,16 @@ class TransferManager:
             for m in messages:
                 self._on_message(sender, m, now)
         for p in list(self._pulls.values()):
+            state = None
             if p.handle is not None:
-                self._on_state(p, self.agent.state(p.handle))
+                state = self.agent.state(p.handle)
+                self._on_state(p, state)
             if p.id not in self._pulls:
                 continue
             if now >= p.deadline:
                 stage = "the source's ack" if p.read_done else "the READ"
-                self._fail(p, TIMEOUT, f"no completion within the deadline (waiting for {stage})")
+                self._fail(p, TIMEOUT, f"no completion within the deadline (waiting for {stage})",
+                           state=state)
             elif now >= p.next_extend and not p.read_done:
                 self._send(p.peer, f"extend {p.lease}")
                 p.next_extend = now + p.ttl / 3
@@ -581,44 +565,24 @@ class TransferManager:
         for lease in [k for k, v in self._leases.items() if v.expires <= now]:
             self._free(lease, "expired")
         self._zombies = [h for h in self._zombies if not self.agent.release(h)]
-        self._drain(now)
+        self._drains.poll(now, self._peers)
 
-    def _drain(self, now: float) -> None:
-        """End the failed READs that NIXL reports ended. No deadline: UCX fails the
-        requests of a peer it finds dead (keepalive), and until a READ ends its
-        destination may change, so none of it is handed back before; a long drain is
-        logged every ``DRAIN_WARN`` seconds."""
-        for pid, d in list(self._draining.items()):
-            if self.agent.state(d.handle) == "PROC":
-                if now >= d.warn_at:
-                    log.warning("the failed READ of pull %d from %s is still in flight; "
-                                "its destination stays held", pid, d.peer)
-                    d.warn_at = now + DRAIN_WARN
-                continue
-            del self._draining[pid]
-            if not self.agent.release(d.handle):
-                self._zombies.append(d.handle)
-            self._ended.add(pid)
-        for peer in [q for q in self._forget
-                     if not any(d.peer == q for d in self._draining.values())]:
-            self._forget.discard(peer)
-            if peer not in self._peers:  # not reconnected meanwhile
-                self.agent.remove_peer(peer)
+    def _release(self, handle) -> None:
+        """Free a transfer handle; one NIXL refuses is retried every ``progress()``."""
+        if not self.agent.release(handle):
+            self._zombies.append(handle)
 
     def settled(self) -> list[int]:
         """Failed pulls, completed with ``settled`` False and already returned by
         ``collect()``, whose READ has ended since: their destination may now be reused
         or freed."""
         with self._lock:
-            out = sorted(self._ended & self._handed)
-            self._ended.difference_update(out)
-            self._handed.difference_update(out)
-        return out
+            return self._drains.settled()
 
     @property
     def draining(self) -> int:
         """Failed READs still in flight."""
-        return len(self._draining)
+        return len(self._drains)
 
     def landed(self) -> list[int]:
         """Pulls whose READ has finished since the last call (the bytes are in place).
@@ -686,10 +650,8 @@ class TransferManager:
             for p in list(self._pulls.values()):
                 if p.handle is not None:
                     self.agent.release(p.handle)
-            for d in self._draining.values():
-                self.agent.release(d.handle)
+            self._drains.close()
             self._pulls.clear()
-            self._draining.clear()
             self.agent.close()
 
 
