@@ -8,6 +8,7 @@ Knows regions, offsets and lengths, never models or requests (it imports nothing
 * ``agent``: a NIXL agent (UCX) with its regions registered once;
 * ``handshake``: side channel for metadata and the compatibility check;
 * ``drain``: failed pulls whose READ still runs, held until NIXL ends it;
+* ``lease``: the source's leases: bytes pinned until the puller is done with them;
 * ``manager``: pin under a lease, pull (READ) with notification, timeouts, failure reports;
 * ``progress``: a thread that runs the manager's protocol while its owner is busy.
 

@@ -69,7 +69,6 @@ picks its transports per thread.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import itertools
 import logging
@@ -84,12 +83,12 @@ from transfer.agent import Agent, PeerDisconnected
 from transfer.drain import Drains
 from transfer.handshake import (Address, CompatibilityError, HandshakeError, HandshakeServer, Hello,
                                 exchange, ping)
+from transfer.lease import Leases
 
 log = logging.getLogger(__name__)
 
 ERROR, TIMEOUT, PEER_GONE, STALE = "error", "timeout", "peer_gone", "stale"
 RESEND = 0.25  # seconds between repeats of an unacknowledged "done"
-REMEMBERED = 65536  # completed leases a source remembers, to re-ack repeated "done"s
 # Seconds between polls while a READ into VRAM is in flight: a whole request lands in about
 # a millisecond over cuda_ipc, and a 0.5 ms poll put a ~0.6 ms floor under every READ
 # (bench/RESULTS.md, issue 5). DRAM READs take tens of ms; they poll every 0.5 to 1 ms.
@@ -144,13 +143,6 @@ class Completion:
 
 
 @dataclasses.dataclass
-class _Lease:
-    ttl: float
-    expires: float
-    on_free: Callable[[str, str], None] | None
-
-
-@dataclasses.dataclass
 class _Pull:
     id: int
     peer: str
@@ -191,11 +183,8 @@ class TransferManager:
         self._peers: dict[str, Hello] = {}
         self._addresses: dict[str, Address] = {}
         self._epoch = uuid.uuid4().hex[:8]
-        self._lease_ids = itertools.count()
         self._pull_ids = itertools.count()
-        self._leases: dict[str, _Lease] = {}
-        # lease -> (puller, tag) of the pull that freed it, for repeated "done"s
-        self._completed: collections.OrderedDict[str, tuple[str, str]] = collections.OrderedDict()
+        self._leases = Leases(self._epoch)  # the source side
         self._pulls: dict[int, _Pull] = {}
         self._zombies: list = []  # handles NIXL would not release yet
         self._done: list[Completion] = []  # completed but not yet returned by collect()
@@ -204,8 +193,6 @@ class TransferManager:
         self._suspects: list[tuple[_Pull, str, str, bool]] = []
         self._landed: list[int] = []  # pulls whose READ finished, not yet returned by landed()
         self._drains = Drains(agent, self._release)  # failed pulls whose READ NIXL has not ended
-        # leases freed by progress(), their on_free not yet run by collect(): (lease, held, reason)
-        self._freed: list[tuple[str, _Lease, str]] = []
         self._proven: set[str] = set()  # peers with a completed pull: connection fully set up
         self._lock = threading.Lock()  # guards all of the above and every NIXL call
         self.opened = threading.Event()
@@ -258,8 +245,7 @@ class TransferManager:
         items = descriptors.validate(items, self.agent.regions, "pinned")
         ttl = self.lease_ttl if ttl is None else float(ttl)
         with self._lock:
-            lease = f"{self._epoch}.{next(self._lease_ids)}"
-            self._leases[lease] = _Lease(ttl, time.monotonic() + ttl, on_free)
+            lease = self._leases.pin(ttl, on_free)
         self.opened.set()
         return {"agent": self.agent.name, "address": list(self.address), "lease": lease,
                 "items": [list(x) for x in items], "ttl": ttl}
@@ -267,16 +253,10 @@ class TransferManager:
     def unpin(self, lease: str, reason: str = "released") -> bool:
         """Free a lease now (request aborted, say); False if it was no longer held."""
         with self._lock:
-            held = self._leases.pop(lease, None)
+            held = self._leases.pop(lease)
         if held is not None:
-            _run_on_free(lease, held, reason)
+            held.run_on_free(lease, reason)
         return held is not None
-
-    def _free(self, lease: str, reason: str) -> None:
-        """Unpin under the lock, from progress(): the owner runs ``on_free`` in collect()."""
-        held = self._leases.pop(lease, None)
-        if held is not None:
-            self._freed.append((lease, held, reason))
 
     @property
     def leases(self) -> int:
@@ -521,17 +501,17 @@ class TransferManager:
             return self._ready()
 
     def _ready(self) -> bool:
-        return bool(self._done or self._landed or self._freed or self._drains.ready)
+        return bool(self._done or self._landed or self._leases.freed or self._drains.ready)
 
     def collect(self) -> list[Completion]:
         """Owner's thread: run the ``on_free`` callbacks of leases that ``progress()`` freed,
         then return the pulls completed since the last call."""
         with self._lock:
-            freed, self._freed = self._freed, []
+            freed = self._leases.take_freed()
             done, self._done = self._done, []
             self._drains.handed(c.pull_id for c in done if not c.settled)
         for lease, held, reason in freed:
-            _run_on_free(lease, held, reason)
+            held.run_on_free(lease, reason)
         return done
 
     def _progress(self) -> None:
@@ -562,8 +542,7 @@ class TransferManager:
             if p.peer in self._proven or not self._in_flight(p.peer, but=p):
                 p.queued = False
                 self._post(p)
-        for lease in [k for k, v in self._leases.items() if v.expires <= now]:
-            self._free(lease, "expired")
+        self._leases.expire(now)
         self._zombies = [h for h in self._zombies if not self.agent.release(h)]
         self._drains.poll(now, self._peers)
 
@@ -614,19 +593,12 @@ class TransferManager:
         parts = message.decode(errors="replace").split()
         kind, lease = (parts + ["", ""])[:2]
         if kind == "done" and len(parts) == 3:
-            held = self._leases.get(lease)
-            ok = held is not None or self._completed.get(lease) == (sender, parts[2])
+            ok = self._leases.done(lease, sender, parts[2])
             self._send(sender, f"ack {lease} {parts[2]} {'ok' if ok else 'stale'}")
-            if held:
-                self._free(lease, "done")
-                self._completed[lease] = (sender, parts[2])
-                if len(self._completed) > REMEMBERED:
-                    self._completed.popitem(last=False)
-        elif kind == "extend" and lease in self._leases:
-            held = self._leases[lease]
-            held.expires = max(held.expires, now + held.ttl)
+        elif kind == "extend":
+            self._leases.extend(lease, now)
         elif kind == "drop":
-            self._free(lease, "dropped")
+            self._leases.free(lease, "dropped")
         elif kind == "ack" and len(parts) == 4:
             for p in self._pulls.values():
                 if p.peer == sender and p.tag == parts[2]:  # acks of earlier pulls are ignored
@@ -653,14 +625,6 @@ class TransferManager:
             self._drains.close()
             self._pulls.clear()
             self.agent.close()
-
-
-def _run_on_free(lease: str, held: _Lease, reason: str) -> None:
-    if held.on_free is not None:
-        try:
-            held.on_free(lease, reason)
-        except Exception:  # the owner's bug must not stall the other leases
-            log.exception("on_free callback for lease %s failed", lease)
 
 
 def _parse(params) -> tuple[str, str, list, float, Address | None]:
