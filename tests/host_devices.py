@@ -14,12 +14,13 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def start_child(script: str, *args: str) -> subprocess.Popen:
+def start_child(script: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     """Start ``python script *args`` on 8 host devices without waiting for it, so that
     several children can run at once; ``child_result`` collects its records. Its output
-    goes to files, not pipes: a child must never block on a pipe nobody reads yet."""
+    goes to files, not pipes: a child must never block on a pipe nobody reads yet.
+    ``env`` adds variables to the child's environment."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+               JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, **(env or {}))
     out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
     proc = subprocess.Popen([sys.executable, os.path.abspath(script), *args], env=env, cwd=ROOT,
                             stdout=out, stderr=err)

@@ -51,14 +51,24 @@ CHILDREN |= {("kernels",): ("kernels", "tiny-moe", *KERNEL_MESHES), ("serving",)
 
 
 @pytest.fixture(scope="module")
-def children():
+def children(tmp_path_factory):
     """Every child process of this module, started together on first use.
 
     Each child spends minutes tracing and compiling, mostly on one core, while this
     process only waits; started one after another (one per fixture, as they were) they
     leave the other cores idle. Started at once, they overlap; each test still reads only
-    its own child's records, which are the same whatever runs beside them."""
-    started = {key: start_child(__file__, *args) for key, args in CHILDREN.items()}
+    its own child's records, which are the same whatever runs beside them.
+
+    They share one JAX persistent compilation cache, new for this module, as they compile
+    many of the same programs: tiny-moe's single-device, TP2 and EP2xTP2 initialisers (in
+    three children), the serving child's prefill and decode engines of one mesh (the same
+    programs twice), the samplers of the serving and the kernel engines. A program compiled
+    once is loaded wherever it comes again, not compiled; which child compiles it depends
+    on timing only, and the executable loaded is the one compiled (an entry read while
+    another child still writes it does not load, and JAX compiles the program instead)."""
+    cache = {"JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache")),
+             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    started = {key: start_child(__file__, *args, env=cache) for key, args in CHILDREN.items()}
     yield lambda key: child_result(started[key], timeout=1800)
     for proc in started.values():
         if proc.poll() is None:
@@ -219,8 +229,9 @@ def _forward_child(name: str, meshes: list[str], backend: str = "auto") -> None:
         rows = jax.device_put(ids, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
             S.DATA)))
         with jax.set_mesh(mesh), default_backend(backend):
-            compiled = jax.jit(run).lower(model, rows, cache).compile()
-            kernels = _kernel_calls(jax.make_jaxpr(run)(model, rows, cache).jaxpr)
+            traced = jax.jit(run).trace(model, rows, cache)  # one trace: compiled and counted
+            compiled = traced.lower().compile()
+            kernels = _kernel_calls(traced.jaxpr.jaxpr)
         out = [np.asarray(a) for a in compiled(model, rows, cache)]
         rel = [float(np.abs(a - b).max() / np.abs(a).max()) for a, b in zip(ref, out)]
         # Split matrices, whole and per layer (split vectors are too small to tell from
