@@ -34,7 +34,7 @@ from pallas_kernels import oracle  # noqa: E402
 from pallas_kernels.conv1d import causal_conv1d_prefill, causal_conv1d_update  # noqa: E402
 from pallas_kernels.gdn import gdn_decode, gdn_prefill  # noqa: E402
 from pallas_kernels.gdn.pallas_triton import gdn_prefill_pallas  # noqa: E402
-from pallas_kernels.tuning import gpu_arch  # noqa: E402
+from pallas_kernels.tuning import gdn_decode_config, gpu_arch  # noqa: E402
 
 FLOP_PER_TOKEN_HEAD = 180e3
 RESULTS: dict = {"rows": [], "checks": [], "errors": []}
@@ -455,9 +455,10 @@ def decode_bench(quick, variants, use_fla):
             cfgs = [None]
             if variants and si == 0:
                 # bv 8 was the slowest at every warp count in run 3 (one warp is left
-                # out to keep the sweep short); bv 128 and 8 warps were not tried
+                # out to keep the sweep short); the state width's default is the None entry
+                default = gdn_decode_config(dv, sdt)
                 cfgs = [None] + [dict(bv=b, warps=w) for b in (16, 32, 64, 128)
-                                 for w in (2, 4, 8) if (b, w) != (64, 4)]
+                                 for w in (2, 4, 8) if (b, w) != (default["bv"], default["warps"])]
             if best_dec.get(sdt) is not None:
                 cfgs = [best_dec[sdt]]
             results = []
