@@ -19,6 +19,7 @@ import time
 import httpx
 import numpy as np
 import pytest
+from host_devices import compile_cache_env
 
 from serving.engine import SamplingParams
 from serving.engine.buckets import Buckets
@@ -59,8 +60,7 @@ class Stack:
 
     def __init__(self, cache_dir, n_prefill=2, n_decode=2, while_compiling=None, spares=None):
         self.procs, self.urls, self.spares = {}, {"prefill": [], "decode": []}, {}
-        self.env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(cache_dir),
-                    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+        self.env = {**os.environ, **compile_cache_env(cache_dir)}
         roles = ["prefill"] * n_prefill + ["decode"] * n_decode
         self.start(roles[0])
         try:

@@ -30,7 +30,7 @@ import json
 import sys
 
 import pytest
-from host_devices import child_result, start_child
+from host_devices import child_result, compile_cache_env, start_child
 
 MODEL_MESHES = {
     "tiny": ["dp2", "tp2", "dp2,tp2"],
@@ -66,8 +66,7 @@ def children(tmp_path_factory):
     once is loaded wherever it comes again, not compiled; which child compiles it depends
     on timing only, and the executable loaded is the one compiled (an entry read while
     another child still writes it does not load, and JAX compiles the program instead)."""
-    cache = {"JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache")),
-             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    cache = compile_cache_env(tmp_path_factory.mktemp("jax_cache"))
     started = {key: start_child(__file__, *args, env=cache) for key, args in CHILDREN.items()}
     yield lambda key: child_result(started[key], timeout=1800)
     for proc in started.values():
