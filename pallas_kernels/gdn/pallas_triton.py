@@ -29,7 +29,10 @@ main="mgpu", the table's default there): the same two launches with wgmma and TM
 
 Decode: grid (row, value head, V tile), state tile [dk, BV] read from the pool
 slot, updated, written back in place (input_output_aliases); for 16-bit pools the
-two sums over dk are one tensor-core product (``_dk_sums_mma``).
+two sums over dk are one tensor-core product (``_dk_sums_mma``), and on the GPU a bf16
+tile is updated in inline PTX on packed pairs (``_update_packed``; interpret mode, which
+cannot run PTX, takes the same arithmetic in jnp, and the GPU check in bench/kernels.py
+covers the PTX).
 
 Out-of-bounds dynamic slices clamp in interpret mode, so the wrappers pad the
 token axis by one chunk there (on the GPU, masked loads/stores never touch
@@ -444,7 +447,7 @@ def gdn_prefill_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
 # decode
 # ----------------------------------------------------------------------------
 def _decode_kernel(slots_ref, q_ref, k_ref, v_ref, g_ref, b_ref, pool_in_ref,
-                   o_ref, pool_ref, *, ratio, use_l2, scale, bv, n_slots, mma):
+                   o_ref, pool_ref, *, ratio, use_l2, scale, bv, n_slots, mma, packed):
     del pool_in_ref  # aliased with pool_ref
     n = pl.program_id(0)
     h = pl.program_id(1)
@@ -454,16 +457,19 @@ def _decode_kernel(slots_ref, q_ref, k_ref, v_ref, g_ref, b_ref, pool_in_ref,
     slot = slots_ref[n]
     valid = (slot >= 0) & (slot < n_slots)
     sc = jnp.where(valid, slot, 0)
+    # Loads first, the tile's above all: the normalisation synchronises the warps, and the
+    # tile's loads, written after it, were issued only once it was done (bench/RESULTS.md,
+    # decode run 6).
+    S = pool_ref[sc, h, :, pl.ds(v0, bv)]  # [dk, bv], the pool's dtype
     q = q_ref[n, hk, :].astype(jnp.float32)
     k = k_ref[n, hk, :].astype(jnp.float32)
+    v = v_ref[n, h, pl.ds(v0, bv)].astype(jnp.float32)
+    decay = jnp.exp(g_ref[n, h].astype(jnp.float32))
+    bt = b_ref[n, h].astype(jnp.float32)
     if use_l2:
         q = q * lax.rsqrt(jnp.sum(q * q) + 1e-6)
         k = k * lax.rsqrt(jnp.sum(k * k) + 1e-6)
     q = q * scale
-    v = v_ref[n, h, pl.ds(v0, bv)].astype(jnp.float32)
-    decay = jnp.exp(g_ref[n, h].astype(jnp.float32))
-    bt = b_ref[n, h].astype(jnp.float32)
-    S = pool_ref[sc, h, :, pl.ds(v0, bv)]  # [dk, bv], the pool's dtype
     # Both sums over dk read the state before the update, so neither waits for the other
     # (o = S'^T q = decay S^T q + vn (k . q) with S' = decay S + k vn^T), and the decay
     # scales the sums rather than the tile.
@@ -471,11 +477,40 @@ def _decode_kernel(slots_ref, q_ref, k_ref, v_ref, g_ref, b_ref, pool_in_ref,
     vn = bt * (v - decay * kv)
     o = decay * sq + vn * jnp.sum(k * q)
     o_ref[n, h, pl.ds(v0, bv)] = jnp.where(valid, o, 0.0).astype(o_ref.dtype)
-    S = S.astype(jnp.float32) * decay + k[:, None] * vn[None, :]
+    S = _update_packed(S, decay, k, vn) if packed else (
+        S.astype(jnp.float32) * decay + k[:, None] * vn[None, :]).astype(S.dtype)
 
     @pl.when(valid)
     def _():
-        pool_ref[sc, h, :, pl.ds(v0, bv)] = S.astype(pool_ref.dtype)
+        pool_ref[sc, h, :, pl.ds(v0, bv)] = S
+
+
+def _update_packed(S, decay, k, vn):
+    """decay * S + k vn^T for a bf16 tile on the GPU, in PTX on packed pairs of elements.
+
+    The Triton pipeline under XLA neither contracts a multiply and an add into an FMA
+    (Nsight Compute counted the bf16 decode's FP32 work almost all unfused,
+    bench/RESULTS.md decode run 5) nor widens a pair of bf16 with fewer than three
+    instructions. Here a pair is widened by a shift and a mask, each element takes one
+    multiply (k vn) and one FMA in float32, and the pair is rounded back to bf16 once.
+    """
+    shape = S.shape
+    [out] = plt.elementwise_inline_asm(
+        """{
+        .reg .b32 lo, hi, a, b;
+        shl.b32 lo, $1, 16;
+        and.b32 hi, $1, 0xffff0000;
+        mul.rn.f32 a, $4, $6;
+        mul.rn.f32 b, $5, $7;
+        fma.rn.f32 a, lo, $2, a;
+        fma.rn.f32 b, hi, $3, b;
+        cvt.rn.bf16x2.f32 $0, b, a;
+        }""",
+        args=[S, jnp.broadcast_to(decay, shape), jnp.broadcast_to(k[:, None], shape),
+              jnp.broadcast_to(vn[None, :], shape)],
+        constraints="=r,r,f,f,f,f,f,f", pack=2,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(shape, S.dtype)])
+    return out
 
 
 def _dk_sums(S, k, q):
@@ -484,24 +519,26 @@ def _dk_sums(S, k, q):
 
 
 def _dk_sums_mma(S, k, q):
-    """k^T S and q^T S for a 16-bit tile as one tensor-core product, [16, dk] x [dk, bv].
+    """k^T S and q^T S for a 16-bit tile as one tensor-core product, S^T [bv, dk] x [dk, 16].
 
     The cross-warp reductions of ``_dk_sums`` made the bf16-pool kernel wait on its own
     instructions (bench/RESULTS.md, decode run 5). The tile enters the product as loaded;
-    k and q enter as two 16-bit rows each, value and remainder (hi + lo carry them to
-    ~2^-16 relative), in rows 0-3 of an otherwise zero operand.
+    k and q enter as two 16-bit columns each, value and remainder (hi + lo carry them to
+    ~2^-16 relative), in columns 0-3 of an otherwise zero operand. With the tile as the
+    left operand (M = bv) the product is one warpgroup MMA on sm90, and the sums over the
+    four columns stay within a thread and its three neighbours (decode run 6).
     """
-    rows = lax.broadcasted_iota(jnp.int32, (16, k.shape[0]), 0)
+    cols = lax.broadcasted_iota(jnp.int32, (16, k.shape[0]), 0)
     parts = []
     for x in (k, q):
         hi = x.astype(S.dtype)
         parts += [hi, (x - hi.astype(jnp.float32)).astype(S.dtype)]
     A = jnp.zeros((16, k.shape[0]), S.dtype)
     for i, part in enumerate(parts):
-        A = jnp.where(rows == i, part[None, :], A)
-    R = lax.dot_general(A, S, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-    r = lax.broadcasted_iota(jnp.int32, R.shape, 0)
-    return jnp.sum(jnp.where(r < 2, R, 0.0), axis=0), jnp.sum(jnp.where((r >= 2) & (r < 4), R, 0.0), axis=0)
+        A = jnp.where(cols == i, part[None, :], A)
+    R = lax.dot_general(S, A, (((0,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    c = lax.broadcasted_iota(jnp.int32, R.shape, 1)
+    return jnp.sum(jnp.where(c < 2, R, 0.0), axis=1), jnp.sum(jnp.where((c >= 2) & (c < 4), R, 0.0), axis=1)
 
 
 def gdn_decode_pallas(q, k, v, g, beta, state_pool, slots, *, scale=None,
@@ -520,7 +557,8 @@ def gdn_decode_pallas(q, k, v, g, beta, state_pool, slots, *, scale=None,
     o, pool = pl.pallas_call(
         functools.partial(_decode_kernel, ratio=Hv // Hk, use_l2=use_qk_l2norm,
                           scale=float(scale), bv=bv, n_slots=P,
-                          mma=cfg["mma"] and state_pool.dtype.itemsize == 2),
+                          mma=cfg["mma"] and state_pool.dtype.itemsize == 2,
+                          packed=state_pool.dtype == jnp.bfloat16 and not interpret),
         out_shape=(jax.ShapeDtypeStruct((N, Hv, dv), v.dtype),
                    jax.ShapeDtypeStruct(state_pool.shape, state_pool.dtype)),
         grid=(N, Hv, dv // bv),
