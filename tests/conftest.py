@@ -1,5 +1,8 @@
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 
 # The suite runs on CPU; several tests need more than one host device.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -15,3 +18,13 @@ if jax.__version_info__ >= (0, 11):
     # moved 1e-4 -> 1.6e-4 with it).
     os.environ.setdefault("NPROC", "8")
 sys.path.insert(0, os.path.dirname(__file__))
+
+# Every JAX process the tests start (workers, launchers, the sharding checks, the notebook's
+# kernel) shares one persistent compilation cache, new for the session, holding every
+# program however short its compile: a program one of them compiled, the others load.
+# Set after ``import jax`` above, so this process, which read its configuration then,
+# keeps none: the compile guard counts backend compiles, and a program loaded from the
+# cache has none (test_engine_fake asserts the count).
+_CACHE = tempfile.mkdtemp(prefix="jax-cache-")
+os.environ.update(JAX_COMPILATION_CACHE_DIR=_CACHE, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)

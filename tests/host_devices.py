@@ -14,21 +14,12 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def compile_cache_env(path) -> dict[str, str]:
-    """Environment for JAX processes that share the persistent compilation cache at
-    ``path``, every program in it however short its compile: a program one of them has
-    compiled, the others load instead of compiling again."""
-    return {"JAX_COMPILATION_CACHE_DIR": str(path),
-            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
-
-
-def start_child(script: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+def start_child(script: str, *args: str) -> subprocess.Popen:
     """Start ``python script *args`` on 8 host devices without waiting for it, so that
     several children can run at once; ``child_result`` collects its records. Its output
-    goes to files, not pipes: a child must never block on a pipe nobody reads yet.
-    ``env`` adds variables to the child's environment."""
+    goes to files, not pipes: a child must never block on a pipe nobody reads yet."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, **(env or {}))
+               JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
     out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
     proc = subprocess.Popen([sys.executable, os.path.abspath(script), *args], env=env, cwd=ROOT,
                             stdout=out, stderr=err)

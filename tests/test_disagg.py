@@ -19,7 +19,6 @@ import time
 import httpx
 import numpy as np
 import pytest
-from host_devices import compile_cache_env
 
 from serving.engine import SamplingParams
 from serving.engine.buckets import Buckets
@@ -43,8 +42,8 @@ FLAGS = ["--model", "tiny", "--max-num-seqs", "16", "--max-num-batched-tokens", 
 
 
 class Stack:
-    """Workers share a persistent compilation cache: the first one compiles the step
-    programs, the others (same flags, same programs) start from the cache.
+    """Workers share the session's persistent compilation cache (conftest): the first one
+    compiles the step programs, the others (same flags, same programs) start from it.
 
     ``while_compiling`` (optional) runs in this process while the first worker starts
     (loading, tracing and lowering are single-threaded, so it leaves a core idle much of
@@ -58,9 +57,9 @@ class Stack:
     alone. Workers starting together share the CPU where a lone start leaves much of it
     idle."""
 
-    def __init__(self, cache_dir, n_prefill=2, n_decode=2, while_compiling=None, spares=None):
+    def __init__(self, n_prefill=2, n_decode=2, while_compiling=None, spares=None):
         self.procs, self.urls, self.spares = {}, {"prefill": [], "decode": []}, {}
-        self.env = {**os.environ, **compile_cache_env(cache_dir)}
+        self.env = dict(os.environ)
         roles = ["prefill"] * n_prefill + ["decode"] * n_decode
         self.start(roles[0])
         try:
@@ -143,7 +142,7 @@ def stack_and_reference(tmp_path_factory):
     log = tmp_path_factory.mktemp("slow-prefill") / "steps"
     slow = {"role": "prefill", "launch": ("-c", SLOW_PREFILL_WORKER),
             "env": {"SLOW_STEP_LOG": str(log), "SLOW_STEP_SECONDS": str(SLOW_STEP_SECONDS)}}
-    s = Stack(tmp_path_factory.mktemp("jax-cache"), while_compiling=_reference,
+    s = Stack(while_compiling=_reference,
               spares={"slow-prefill": slow})
     s.slow_step_log = log
     yield s, s.built

@@ -15,6 +15,7 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.disagg import CPU_ENGINE_FLAGS  # test_bench_disagg's programs: in the session's cache
 from serving.ports import free_port
 
 
@@ -23,8 +24,8 @@ def server():
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "serving", "--model", "tiny", "--port", str(port),
-         "--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--max-model-len", "256",
-         "--on-transfer-failure", "recompute", "--log-level", "warning"], start_new_session=True)
+         *CPU_ENGINE_FLAGS, "--on-transfer-failure", "recompute", "--log-level", "warning"],
+        start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     end = time.monotonic() + 600
     while True:

@@ -30,7 +30,7 @@ import json
 import sys
 
 import pytest
-from host_devices import child_result, compile_cache_env, start_child
+from host_devices import child_result, start_child
 
 MODEL_MESHES = {
     "tiny": ["dp2", "tp2", "dp2,tp2"],
@@ -51,7 +51,7 @@ CHILDREN |= {("kernels",): ("kernels", "tiny-moe", *KERNEL_MESHES), ("serving",)
 
 
 @pytest.fixture(scope="module")
-def children(tmp_path_factory):
+def children():
     """Every child process of this module, started together on first use.
 
     Each child spends minutes tracing and compiling, mostly on one core, while this
@@ -59,15 +59,14 @@ def children(tmp_path_factory):
     leave the other cores idle. Started at once, they overlap; each test still reads only
     its own child's records, which are the same whatever runs beside them.
 
-    They share one JAX persistent compilation cache, new for this module, as they compile
+    They share the session's persistent compilation cache (conftest), as they compile
     many of the same programs: tiny-moe's single-device, TP2 and EP2xTP2 initialisers (in
     three children), the serving child's prefill and decode engines of one mesh (the same
     programs twice), the samplers of the serving and the kernel engines. A program compiled
     once is loaded wherever it comes again, not compiled; which child compiles it depends
     on timing only, and the executable loaded is the one compiled (an entry read while
     another child still writes it does not load, and JAX compiles the program instead)."""
-    cache = compile_cache_env(tmp_path_factory.mktemp("jax_cache"))
-    started = {key: start_child(__file__, *args, env=cache) for key, args in CHILDREN.items()}
+    started = {key: start_child(__file__, *args) for key, args in CHILDREN.items()}
     yield lambda key: child_result(started[key], timeout=1800)
     for proc in started.values():
         if proc.poll() is None:
