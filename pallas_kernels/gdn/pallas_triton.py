@@ -27,7 +27,7 @@ Prefill is two launches (variants chosen by ``tuning.GDN_PREFILL``):
 On sm90, 16-bit inputs take the Mosaic GPU pair in ``mgpu.py`` instead (config
 main="mgpu", the table's default there): the same two launches with wgmma and TMA.
 
-Decode: grid (row, value head, V tile), state tile [dk, BV] read from the pool
+Decode: grid (value head, row, V tile), state tile [dk, BV] read from the pool
 slot, updated, written back in place (input_output_aliases); for 16-bit pools the
 two sums over dk are one tensor-core product (``_dk_sums_mma``), and on the GPU a bf16
 tile is updated in inline PTX on packed pairs (``_update_packed``; interpret mode, which
@@ -449,8 +449,8 @@ def gdn_prefill_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
 def _decode_kernel(slots_ref, q_ref, k_ref, v_ref, g_ref, b_ref, pool_in_ref,
                    o_ref, pool_ref, *, ratio, use_l2, scale, bv, n_slots, mma, packed):
     del pool_in_ref  # aliased with pool_ref
-    n = pl.program_id(0)
-    h = pl.program_id(1)
+    h = pl.program_id(0)  # heads vary fastest: programs launched together read one slot's
+    n = pl.program_id(1)  # contiguous heads (bench/RESULTS.md, decode run 6)
     iv = pl.program_id(2)
     hk = h // ratio
     v0 = iv * bv
@@ -561,7 +561,7 @@ def gdn_decode_pallas(q, k, v, g, beta, state_pool, slots, *, scale=None,
                           packed=state_pool.dtype == jnp.bfloat16 and not interpret),
         out_shape=(jax.ShapeDtypeStruct((N, Hv, dv), v.dtype),
                    jax.ShapeDtypeStruct(state_pool.shape, state_pool.dtype)),
-        grid=(N, Hv, dv // bv),
+        grid=(Hv, N, dv // bv),
         input_output_aliases={6: 1},
         compiler_params=_compiler_params(cfg["warps"], cfg["stages"]),
         interpret=interpret,
