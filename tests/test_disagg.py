@@ -142,8 +142,7 @@ def stack_and_reference(tmp_path_factory):
     log = tmp_path_factory.mktemp("slow-prefill") / "steps"
     slow = {"role": "prefill", "launch": ("-c", SLOW_PREFILL_WORKER),
             "env": {"SLOW_STEP_LOG": str(log), "SLOW_STEP_SECONDS": str(SLOW_STEP_SECONDS)}}
-    s = Stack(while_compiling=_reference,
-              spares={"slow-prefill": slow})
+    s = Stack(while_compiling=_reference, spares={"slow-prefill": slow})
     s.slow_step_log = log
     yield s, s.built
     s.close()

@@ -1,5 +1,6 @@
 """The README's main command: ``python -m serving`` starts the disaggregated stack, serves
-the OpenAI API through the router, and stops every process on Ctrl-C."""
+the OpenAI API through the router, and stops every process on Ctrl-C (here with
+bench.disagg's CPU engine limits, whose programs test_bench_disagg has cached)."""
 
 from __future__ import annotations
 

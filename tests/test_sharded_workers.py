@@ -45,7 +45,7 @@ MESHES = [("prefill", ["--tp", "2"]), ("decode", ["--ep", "2"]), ("decode", [])]
 
 class MeshStack(Stack):
     """``test_disagg.Stack`` with the tiny-moe flags and a mesh per worker (``MESHES``);
-    the workers start together (their programs differ, so no compilation cache helps)."""
+    the workers start together (their programs differ: the session's cache holds none of them)."""
 
     def __init__(self, workers):
         self.procs, self.urls, self.mesh = {}, {"prefill": [], "decode": []}, {}

@@ -60,9 +60,10 @@ def children():
     its own child's records, which are the same whatever runs beside them.
 
     They share the session's persistent compilation cache (conftest), as they compile
-    many of the same programs: tiny-moe's single-device, TP2 and EP2xTP2 initialisers (in
-    three children), the serving child's prefill and decode engines of one mesh (the same
-    programs twice), the samplers of the serving and the kernel engines. A program compiled
+    many of the same programs: tiny-moe's single-device initialiser (forward and kernel
+    children) and TP2 one (kernel and serving children), the serving child's prefill and
+    decode engines of one mesh (the same programs twice), the samplers of the serving and
+    the kernel engines. A program compiled
     once is loaded wherever it comes again, not compiled; which child compiles it depends
     on timing only, and the executable loaded is the one compiled (an entry read while
     another child still writes it does not load, and JAX compiles the program instead)."""
@@ -129,6 +130,8 @@ def serving_records(children):
 def test_engine_on_mesh_matches_single_device(serving_records):
     r = serving_records["engine"]
     assert r["sharded"] == r["single"], r
+    # the engines' sharded initialisers made the single-device engine's weights
+    assert r["init_mismatched"] == {"tp=2": [], "ep=2,tp=2": []}, r
     assert r["cache_specs"]["kv"][4] == "tensor" and r["param_spec_experts"][1] == [
         "expert", "tensor"], r
 
@@ -293,6 +296,9 @@ def _serving_child() -> None:
     decode on another mesh; last, the EP2xTP2 engine serving the prompts by itself."""
     import ctypes
 
+    import numpy as np
+    from flax import nnx
+
     from qwen35_jax import sharding as S
     from serving import LLM, SamplingParams
     from serving.kv_transfer import shard_regions, stream_items
@@ -337,10 +343,14 @@ def _serving_child() -> None:
                               tokens=[done[i] for i in ids], descriptors=counts)), flush=True)
     llm = llms["decode", "ep=2,tp=2"]
     sharded = [o.token_ids for o in llm.generate(PROMPTS, greedy)]
+    weights = dict(nnx.to_flat_state(nnx.state(llms["prefill", ""].model)))
+    init_mismatched = {spec: [".".join(map(str, k)) for k, v in nnx.to_flat_state(
+        nnx.state(llms[role, spec].model)) if not np.array_equal(v[...], weights[k][...])]
+        for role, spec in (("prefill", "tp=2"), ("decode", "ep=2,tp=2"))}
     cache = llm.engine.runner.cache
     experts = llm.model.groups.attn.mlp.experts_gate_up[...].sharding.spec
     print(json.dumps(dict(
-        key="engine", single=single, sharded=sharded,
+        key="engine", single=single, sharded=sharded, init_mismatched=init_mismatched,
         cache_specs={k: list(getattr(cache, k).sharding.spec) for k in ("kv", "conv", "ssm")},
         param_spec_experts=[list(a) if isinstance(a, tuple) else a for a in experts],
         mesh=dict(S.mesh_of(cache.kv).shape))), flush=True)

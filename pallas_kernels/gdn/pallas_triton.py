@@ -31,8 +31,8 @@ Decode: grid (value head, row, V tile), state tile [dk, BV] read from the pool
 slot, updated, written back in place (input_output_aliases); for 16-bit pools the
 two sums over dk are one tensor-core product (``_dk_sums_mma``), and on the GPU a bf16
 tile is updated in inline PTX on packed pairs (``_update_packed``; interpret mode, which
-cannot run PTX, takes the same arithmetic in jnp, and the GPU check in bench/kernels.py
-covers the PTX).
+cannot run PTX, takes the same formula in jnp, unfused, and the GPU check in
+bench/kernels.py covers the PTX).
 
 Out-of-bounds dynamic slices clamp in interpret mode, so the wrappers pad the
 token axis by one chunk there (on the GPU, masked loads/stores never touch
@@ -493,6 +493,8 @@ def _update_packed(S, decay, k, vn):
     bench/RESULTS.md decode run 5) nor widens a pair of bf16 with fewer than three
     instructions. Here a pair is widened by a shift and a mask, each element takes one
     multiply (k vn) and one FMA in float32, and the pair is rounded back to bf16 once.
+    Needs sm80 or newer (``cvt.rn.bf16x2.f32``) and an even number of tile elements a
+    thread (dk * bv a multiple of 64 * warps: every tuning entry).
     """
     shape = S.shape
     [out] = plt.elementwise_inline_asm(
@@ -528,7 +530,7 @@ def _dk_sums_mma(S, k, q):
     left operand (M = bv) the product is one warpgroup MMA on sm90, and the sums over the
     four columns stay within a thread and its three neighbours (decode run 6).
     """
-    cols = lax.broadcasted_iota(jnp.int32, (16, k.shape[0]), 0)
+    cols = lax.broadcasted_iota(jnp.int32, (16, k.shape[0]), 0)  # A's rows: A^T's columns
     parts = []
     for x in (k, q):
         hi = x.astype(S.dtype)
