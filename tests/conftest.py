@@ -7,6 +7,17 @@ import tempfile
 # The suite runs on CPU; several tests need more than one host device.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+# This process and every JAX process the tests start (workers, launchers, the sharding
+# checks, the notebook's kernel) share one persistent compilation cache, new for the
+# session, holding every program however short its compile: a program compiled once, by
+# any of them, is loaded wherever it comes again (each test builds its own engines, whose
+# programs are often another test's). Set before ``import jax``, which reads it. A program
+# loaded from the cache still emits JAX's backend-compile event, so the compile guard
+# counts it as before.
+_CACHE = tempfile.mkdtemp(prefix="jax-cache-")
+os.environ.update(JAX_COMPILATION_CACHE_DIR=_CACHE, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+
 import jax  # noqa: E402  (importing jax starts no backend: the pool below is not sized yet)
 
 if jax.__version_info__ >= (0, 11):
@@ -19,12 +30,3 @@ if jax.__version_info__ >= (0, 11):
     os.environ.setdefault("NPROC", "8")
 sys.path.insert(0, os.path.dirname(__file__))
 
-# Every JAX process the tests start (workers, launchers, the sharding checks, the notebook's
-# kernel) shares one persistent compilation cache, new for the session, holding every
-# program however short its compile: a program one of them compiled, the others load.
-# Set after ``import jax`` above, so this process, which read its configuration then,
-# keeps none and compiles as before. (A program loaded from the cache still emits JAX's
-# backend-compile event, so the compile guard counts it either way.)
-_CACHE = tempfile.mkdtemp(prefix="jax-cache-")
-os.environ.update(JAX_COMPILATION_CACHE_DIR=_CACHE, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
-atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
