@@ -10,10 +10,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # This process and every JAX process the tests start (workers, launchers, the sharding
 # checks, the notebook's kernel) share one persistent compilation cache, new for the
 # session, holding every program however short its compile: a program compiled once, by
-# any of them, is loaded wherever it comes again (each test builds its own engines, whose
-# programs are often another test's). Set before ``import jax``, which reads it. A program
-# loaded from the cache still emits JAX's backend-compile event, so the compile guard
-# counts it as before.
+# any of them, is loaded wherever it comes again. Set before ``import jax``, which reads
+# it. A program loaded from the cache still emits JAX's backend-compile event, so the
+# compile guard counts it as before.
 _CACHE = tempfile.mkdtemp(prefix="jax-cache-")
 os.environ.update(JAX_COMPILATION_CACHE_DIR=_CACHE, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
 atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
@@ -29,4 +28,3 @@ if jax.__version_info__ >= (0, 11):
     # moved 1e-4 -> 1.6e-4 with it).
     os.environ.setdefault("NPROC", "8")
 sys.path.insert(0, os.path.dirname(__file__))
-

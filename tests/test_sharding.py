@@ -63,10 +63,10 @@ def children():
     many of the same programs: tiny-moe's single-device initialiser (forward and kernel
     children) and TP2 one (kernel and serving children), the serving child's prefill and
     decode engines of one mesh (the same programs twice), the samplers of the serving and
-    the kernel engines. A program compiled
-    once is loaded wherever it comes again, not compiled; which child compiles it depends
-    on timing only, and the executable loaded is the one compiled (an entry read while
-    another child still writes it does not load, and JAX compiles the program instead)."""
+    the kernel engines. A program compiled once is loaded wherever it comes again, not
+    compiled; which child compiles it depends on timing only, and the executable loaded is
+    the one compiled (an entry read while another child still writes it does not load, and
+    JAX compiles the program instead)."""
     started = {key: start_child(__file__, *args) for key, args in CHILDREN.items()}
     yield lambda key: child_result(started[key], timeout=1800)
     for proc in started.values():
@@ -296,9 +296,6 @@ def _serving_child() -> None:
     decode on another mesh; last, the EP2xTP2 engine serving the prompts by itself."""
     import ctypes
 
-    import numpy as np
-    from flax import nnx
-
     from qwen35_jax import sharding as S
     from serving import LLM, SamplingParams
     from serving.kv_transfer import shard_regions, stream_items
@@ -343,10 +340,8 @@ def _serving_child() -> None:
                               tokens=[done[i] for i in ids], descriptors=counts)), flush=True)
     llm = llms["decode", "ep=2,tp=2"]
     sharded = [o.token_ids for o in llm.generate(PROMPTS, greedy)]
-    weights = dict(nnx.to_flat_state(nnx.state(llms["prefill", ""].model)))
-    init_mismatched = {spec: [".".join(map(str, k)) for k, v in nnx.to_flat_state(
-        nnx.state(llms[role, spec].model)) if not np.array_equal(v[...], weights[k][...])]
-        for role, spec in (("prefill", "tp=2"), ("decode", "ep=2,tp=2"))}
+    init_mismatched = {spec: _differing(llms[role, spec].model, llms["prefill", ""].model)
+                       for role, spec in (("prefill", "tp=2"), ("decode", "ep=2,tp=2"))}
     cache = llm.engine.runner.cache
     experts = llm.model.groups.attn.mlp.experts_gate_up[...].sharding.spec
     print(json.dumps(dict(
@@ -356,11 +351,20 @@ def _serving_child() -> None:
         mesh=dict(S.mesh_of(cache.kv).shape))), flush=True)
 
 
+def _differing(model, ref) -> list[str]:
+    """Names of ``model``'s parameters whose values differ from ``ref``'s (any placement)."""
+    import numpy as np
+    from flax import nnx
+
+    want = dict(nnx.to_flat_state(nnx.state(ref)))
+    return [".".join(map(str, k)) for k, v in nnx.to_flat_state(nnx.state(model))
+            if not np.array_equal(np.asarray(v[...]), np.asarray(want[k][...]))]
+
+
 def _load_child() -> None:
     import tempfile
 
     import jax.numpy as jnp
-    import numpy as np
     from flax import nnx
 
     import qwen35_jax
@@ -375,15 +379,11 @@ def _load_child() -> None:
         ref = qwen35_jax.from_pretrained(path, jnp.float32, progress=False)
         got = qwen35_jax.from_pretrained(path, jnp.float32, progress=False, mesh=mesh)
     want = dict(nnx.to_flat_state(S.param_shardings(cfg, nnx.state(got), mesh)))
-    ref = dict(nnx.to_flat_state(nnx.state(ref)))
-    mismatched, misplaced, split = [], [], 0
+    mismatched, misplaced, split = _differing(got, ref), [], 0
     for k, v in nnx.to_flat_state(nnx.state(got)):
         a = v[...]
-        name = ".".join(map(str, k))
-        if not np.array_equal(np.asarray(a), np.asarray(ref[k][...])):
-            mismatched.append(name)
         if not a.sharding.is_equivalent_to(want[k], a.ndim):
-            misplaced.append(name)
+            misplaced.append(".".join(map(str, k)))
         split += a.sharding.shard_shape(a.shape) != a.shape
     print(json.dumps(dict(key="load", mismatched=mismatched, misplaced=misplaced, split=split)),
           flush=True)
