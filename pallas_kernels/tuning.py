@@ -40,15 +40,23 @@ GDN_PREFILL = {
 }
 
 # GDN decode: state tile [dk, bv] per program, by the state's bytes per element; mma:
-# the two sums over dk as one tensor-core product (16-bit states only).
+# the two sums over dk as one tensor-core product (16-bit states only); programs_per_sm:
+# a grid of that many programs an SM, each looping over its rows so that Triton
+# prefetches the next row's tile (None: a program a row).
 # H200: fp32 bv 64 / 4 warps best of 12 (bench/RESULTS.md, run 3: 83-85 % of a
-# pool-sized copy in decode run 4); bf16 with the product, bv 128 / 4 warps best of 5
-# (decode run 5: 73-74 % against 67-69 % for the reductions), and again with the product
-# transposed and the update packed (decode run 6: bv 64 and 8 warps 5-9 points behind;
-# 78-81 % with the heads first in the grid)
-_DECODE = {4: dict(bv=64, warps=4, stages=2, mma=False),
-           2: dict(bv=128, warps=4, stages=2, mma=True)}
-GDN_DECODE = {"sm90": _DECODE, "sm100": _DECODE, "default": _DECODE}
+# pool-sized copy in decode run 4; the loop gains nothing there, decode run 7); bf16
+# with the product, bv 128 / 4 warps best of 5 (decode run 5), again with the product
+# transposed and the update packed (decode run 6: bv 64 and 8 warps 5-9 points
+# behind), and the loop at 2 programs an SM (the kernel holds 2 CTAs an SM; 3 would
+# take a second wave) with 3 stages: 80-85 % against 77-81 % (decode run 7)
+_DECODE = {4: dict(bv=64, warps=4, stages=2, mma=False, programs_per_sm=None),
+           2: dict(bv=128, warps=4, stages=3, mma=True, programs_per_sm=2)}
+GDN_DECODE = {
+    "sm90": _DECODE,
+    "sm100": _DECODE,
+    # CPU interpret mode: 16-bit pools loop over several rows a program (a grid of 4)
+    "default": {4: _DECODE[4], 2: dict(_DECODE[2], programs_per_sm=4)},
+}
 
 # causal conv1d: token block bt x channel block bc.
 CONV1D = {
@@ -118,19 +126,29 @@ LAYER_MATMUL = {
 
 
 @functools.lru_cache(maxsize=None)
-def gpu_arch() -> str | None:
-    """'sm90', 'sm100', 'sm<cc>' for other NVIDIA GPUs, or None without one."""
+def _first_gpu():
     try:
         devs = [d for d in jax.devices() if d.platform == "gpu"]
     except Exception:
         return None
-    if not devs:
+    return devs[0] if devs else None
+
+
+def gpu_arch() -> str | None:
+    """'sm90', 'sm100', 'sm<cc>' for other NVIDIA GPUs, or None without one."""
+    dev = _first_gpu()
+    if dev is None:
         return None
-    cc = getattr(devs[0], "compute_capability", None)
+    cc = getattr(dev, "compute_capability", None)
     if cc is None:
         return "sm_unknown"
     major, _, minor = str(cc).partition(".")
     return f"sm{major}{minor or '0'}"
+
+
+def gpu_sm_count() -> int | None:
+    """The first GPU's streaming multiprocessors, or None without one."""
+    return getattr(_first_gpu(), "core_count", None)
 
 
 def _family(arch):

@@ -280,33 +280,39 @@ DECODE_CASES = [
 @pytest.mark.parametrize("backend,ratio,dtype,state_dtype,l2",
                          _with_backends(DECODE_CASES, [1, 2]))
 def test_decode(backend, ratio, dtype, state_dtype, l2):
+    """The kernel body a row a program, and (interpret) looping over rows: 7 rows in
+    programs of 4, so the last program's fourth row lies past the batch."""
     rng = np.random.default_rng(ratio * 13 + len(dtype) + len(state_dtype))
-    Hk, dk, dv, P = 2, 16, 32, 6
+    Hk, dk, dv, bv, P = 2, 16, 32, 16, 6
     Hv = Hk * ratio
-    slots = np.array([3, -1, 0, 7, 5, 6], np.int32)  # -1, 7 (>= P), 6 (== P): padding
+    slots = np.array([3, -1, 0, 7, 5, 6, 2], np.int32)  # -1, 7 (>= P), 6 (== P): padding
     N = len(slots)
     dt = jnp.dtype(dtype)
     sdt = jnp.dtype(state_dtype)
     q, k, v, g, beta = make_inputs(rng, 1, N, Hk, Hv, dk, dv, dt, l2)
     q, k, v, g, beta = (a[0] for a in (q, k, v, g, beta))
-    pool = jnp.asarray(rng.standard_normal((P, Hv, dk, dv)) * 0.5, sdt)
-    pool_before = np.asarray(jnp.asarray(pool, jnp.float32))
-    fn = jax.jit(lambda p, s, *a: gdn_decode(*a, p, s, use_qk_l2norm=l2,
-                                             backend=backend, config=dict(bv=16)),
-                 donate_argnums=0)
-    o, new_pool = fn(pool, jnp.asarray(slots), q, k, v, g, beta)
-    assert o.dtype == dt and new_pool.dtype == sdt and new_pool.shape == (P, Hv, dk, dv)
+    pool0 = rng.standard_normal((P, Hv, dk, dv)) * 0.5
+    pool_before = np.asarray(jnp.asarray(jnp.asarray(pool0, sdt), jnp.float32))
     o_ref, p_ref = oracle_decode(_np(q), _np(k), _np(v), _np(g), _np(beta),
                                  pool_before, slots, dk ** -0.5, l2)
     tol = F32_TOL if (dtype == "float32" and state_dtype == "float32") else BF16_TOL
-    o = _np(o)
-    assert rel_err(o, o_ref) < tol
-    assert np.all(o[[1, 3, 5]] == 0.0)
-    new_pool = np.asarray(jnp.asarray(new_pool, jnp.float32))
-    touched = [0, 3, 5]
-    assert rel_err(new_pool[touched], p_ref[touched]) < tol
-    untouched = [1, 2, 4]
-    np.testing.assert_array_equal(new_pool[untouched], pool_before[untouched])
+    # programs_per_sm: interpret mode counts one SM, so 2 Hv (dv / bv) programs a grid
+    # put the 7 rows in 2 programs of 4
+    per_sm = [None, 2 * Hv * (dv // bv)] if backend == "interpret" else [None]
+    for pps in per_sm:
+        fn = jax.jit(lambda p, s, *a: gdn_decode(
+            *a, p, s, use_qk_l2norm=l2, backend=backend,
+            config=dict(bv=bv, programs_per_sm=pps)), donate_argnums=0)
+        o, new_pool = fn(jnp.asarray(pool0, sdt), jnp.asarray(slots), q, k, v, g, beta)
+        assert o.dtype == dt and new_pool.dtype == sdt and new_pool.shape == (P, Hv, dk, dv)
+        o = _np(o)
+        assert rel_err(o, o_ref) < tol, pps
+        assert np.all(o[[1, 3, 5]] == 0.0)
+        new_pool = np.asarray(jnp.asarray(new_pool, jnp.float32))
+        touched = [0, 2, 3, 5]
+        assert rel_err(new_pool[touched], p_ref[touched]) < tol, pps
+        untouched = [1, 4]
+        np.testing.assert_array_equal(new_pool[untouched], pool_before[untouched])
 
 
 @pytest.mark.parametrize("backend", ["interpret", "reference"])

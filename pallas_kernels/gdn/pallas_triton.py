@@ -27,12 +27,13 @@ Prefill is two launches (variants chosen by ``tuning.GDN_PREFILL``):
 On sm90, 16-bit inputs take the Mosaic GPU pair in ``mgpu.py`` instead (config
 main="mgpu", the table's default there): the same two launches with wgmma and TMA.
 
-Decode: grid (value head, row, V tile), state tile [dk, BV] read from the pool
-slot, updated, written back in place (input_output_aliases); for 16-bit pools the
-two sums over dk are one tensor-core product (``_dk_sums_mma``), and on the GPU a bf16
-tile is updated in inline PTX on packed pairs (``_update_packed``; interpret mode, which
-cannot run PTX, takes the same formula in jnp, unfused, and the GPU check in
-bench/kernels.py covers the PTX).
+Decode: grid (value head, row block, V tile), state tile [dk, BV] read from the pool
+slot, updated, written back in place (input_output_aliases); a program walks its block's
+rows in a loop that Triton pipelines (one row a program where the table says so); for
+16-bit pools the two sums over dk are one tensor-core product (``_dk_sums_mma``), and on
+the GPU a bf16 tile is updated in inline PTX on packed pairs (``_update_packed``;
+interpret mode, which cannot run PTX, takes the same formula in jnp, unfused, and the GPU
+check in bench/kernels.py covers the PTX).
 
 Out-of-bounds dynamic slices clamp in interpret mode, so the wrappers pad the
 token axis by one chunk there (on the GPU, masked loads/stores never touch
@@ -447,42 +448,63 @@ def gdn_prefill_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
 # decode
 # ----------------------------------------------------------------------------
 def _decode_kernel(slots_ref, q_ref, k_ref, v_ref, g_ref, b_ref, pool_in_ref,
-                   o_ref, pool_ref, *, ratio, use_l2, scale, bv, n_slots, mma, packed):
+                   o_ref, pool_ref, *, ratio, use_l2, scale, bv, n_slots, n_rows, rows,
+                   mma, packed):
+    """Rows [r0, r0 + rows) of one value head and V tile. With more than one row a
+    program the rows are a loop, which Triton software-pipelines: the next row's tile is
+    copied into shared memory (cp.async) while this one's is updated (bench/RESULTS.md,
+    decode run 7)."""
     del pool_in_ref  # aliased with pool_ref
-    h = pl.program_id(0)  # heads vary fastest: programs launched together read one slot's
-    n = pl.program_id(1)  # contiguous heads (bench/RESULTS.md, decode run 6)
+    # heads vary fastest: programs launched together read one slot's contiguous heads
+    # (bench/RESULTS.md, decode run 6)
+    h = pl.program_id(0)
+    r0 = pl.program_id(1) * rows
     iv = pl.program_id(2)
     hk = h // ratio
     v0 = iv * bv
-    slot = slots_ref[n]
-    valid = (slot >= 0) & (slot < n_slots)
-    sc = jnp.where(valid, slot, 0)
-    # Loads first, the tile's above all: the normalisation synchronises the warps, and the
-    # tile's loads, written after it, were issued only once it was done (bench/RESULTS.md,
-    # decode run 6).
-    S = pool_ref[sc, h, :, pl.ds(v0, bv)]  # [dk, bv], the pool's dtype
-    q = q_ref[n, hk, :].astype(jnp.float32)
-    k = k_ref[n, hk, :].astype(jnp.float32)
-    v = v_ref[n, h, pl.ds(v0, bv)].astype(jnp.float32)
-    decay = jnp.exp(g_ref[n, h].astype(jnp.float32))
-    bt = b_ref[n, h].astype(jnp.float32)
-    if use_l2:
-        q = q * lax.rsqrt(jnp.sum(q * q) + 1e-6)
-        k = k * lax.rsqrt(jnp.sum(k * k) + 1e-6)
-    q = q * scale
-    # Both sums over dk read the state before the update, so neither waits for the other
-    # (o = S'^T q = decay S^T q + vn (k . q) with S' = decay S + k vn^T), and the decay
-    # scales the sums rather than the tile.
-    kv, sq = _dk_sums_mma(S, k, q) if mma else _dk_sums(S.astype(jnp.float32), k, q)
-    vn = bt * (v - decay * kv)
-    o = decay * sq + vn * jnp.sum(k * q)
-    o_ref[n, h, pl.ds(v0, bv)] = jnp.where(valid, o, 0.0).astype(o_ref.dtype)
-    S = _update_packed(S, decay, k, vn) if packed else (
-        S.astype(jnp.float32) * decay + k[:, None] * vn[None, :]).astype(S.dtype)
 
-    @pl.when(valid)
-    def _():
-        pool_ref[sc, h, :, pl.ds(v0, bv)] = S
+    def row(i, carry):
+        inside = r0 + i < n_rows  # the last program's rows may run past the batch
+        n = jnp.where(inside, r0 + i, 0)
+        slot = slots_ref[n]
+        valid = inside & (slot >= 0) & (slot < n_slots)
+        sc = jnp.where(valid, slot, 0)
+        # Loads first, the tile's above all: the normalisation synchronises the warps,
+        # and the tile's loads, written after it, were issued only once it was done
+        # (bench/RESULTS.md, decode run 6).
+        S = pool_ref[sc, h, :, pl.ds(v0, bv)]  # [dk, bv], the pool's dtype
+        q = q_ref[n, hk, :].astype(jnp.float32)
+        k = k_ref[n, hk, :].astype(jnp.float32)
+        v = v_ref[n, h, pl.ds(v0, bv)].astype(jnp.float32)
+        decay = jnp.exp(g_ref[n, h].astype(jnp.float32))
+        bt = b_ref[n, h].astype(jnp.float32)
+        if use_l2:
+            q = q * lax.rsqrt(jnp.sum(q * q) + 1e-6)
+            k = k * lax.rsqrt(jnp.sum(k * k) + 1e-6)
+        q = q * scale
+        # Both sums over dk read the state before the update, so neither waits for the
+        # other (o = S'^T q = decay S^T q + vn (k . q) with S' = decay S + k vn^T), and
+        # the decay scales the sums rather than the tile.
+        kv, sq = _dk_sums_mma(S, k, q) if mma else _dk_sums(S.astype(jnp.float32), k, q)
+        vn = bt * (v - decay * kv)
+        o = decay * sq + vn * jnp.sum(k * q)
+
+        @pl.when(inside)
+        def _():
+            o_ref[n, h, pl.ds(v0, bv)] = jnp.where(valid, o, 0.0).astype(o_ref.dtype)
+
+        S = _update_packed(S, decay, k, vn) if packed else (
+            S.astype(jnp.float32) * decay + k[:, None] * vn[None, :]).astype(S.dtype)
+
+        @pl.when(valid)
+        def _():
+            pool_ref[sc, h, :, pl.ds(v0, bv)] = S
+        return carry
+
+    if rows == 1:
+        row(0, 0)
+    else:
+        lax.fori_loop(0, rows, row, 0)
 
 
 def _update_packed(S, decay, k, vn):
@@ -545,7 +567,7 @@ def _dk_sums_mma(S, k, q):
 
 def gdn_decode_pallas(q, k, v, g, beta, state_pool, slots, *, scale=None,
                       use_qk_l2norm=False, interpret=False, config=None):
-    from ..tuning import gdn_decode_config
+    from ..tuning import gdn_decode_config, gpu_sm_count
     N, Hk, dk = q.shape
     Hv, dv = v.shape[1], v.shape[2]
     P = state_pool.shape[0]
@@ -556,14 +578,20 @@ def gdn_decode_pallas(q, k, v, g, beta, state_pool, slots, *, scale=None,
     bv = min(cfg["bv"], dv)
     if dv % bv:
         bv = dv
+    # programs_per_sm: a grid of about that many programs an SM, each looping over its
+    # share of the rows; None: one row a program
+    rows = 1
+    if cfg["programs_per_sm"]:
+        programs = cfg["programs_per_sm"] * (gpu_sm_count() or 1)
+        rows = pl.cdiv(N, max(1, programs // (Hv * (dv // bv))))
     o, pool = pl.pallas_call(
         functools.partial(_decode_kernel, ratio=Hv // Hk, use_l2=use_qk_l2norm,
-                          scale=float(scale), bv=bv, n_slots=P,
+                          scale=float(scale), bv=bv, n_slots=P, n_rows=N, rows=rows,
                           mma=cfg["mma"] and state_pool.dtype.itemsize == 2,
                           packed=state_pool.dtype == jnp.bfloat16 and not interpret),
         out_shape=(jax.ShapeDtypeStruct((N, Hv, dv), v.dtype),
                    jax.ShapeDtypeStruct(state_pool.shape, state_pool.dtype)),
-        grid=(Hv, N, dv // bv),
+        grid=(Hv, pl.cdiv(N, rows), dv // bv),
         input_output_aliases={6: 1},
         compiler_params=_compiler_params(cfg["warps"], cfg["stages"]),
         interpret=interpret,
