@@ -48,15 +48,10 @@ GDN_PREFILL = {
 # with the product, bv 128 / 4 warps best of 5 (decode run 5), again with the product
 # transposed and the update packed (decode run 6: bv 64 and 8 warps 5-9 points
 # behind), and the loop at 2 programs an SM (the kernel holds 2 CTAs an SM; 3 would
-# take a second wave) with 3 stages: 80-85 % against 77-81 % (decode run 7)
+# take a second wave) with 3 stages: 79-85 % against 77-81 % (decode run 7)
 _DECODE = {4: dict(bv=64, warps=4, stages=2, mma=False, programs_per_sm=None),
            2: dict(bv=128, warps=4, stages=3, mma=True, programs_per_sm=2)}
-GDN_DECODE = {
-    "sm90": _DECODE,
-    "sm100": _DECODE,
-    # CPU interpret mode: 16-bit pools loop over several rows a program (a grid of 4)
-    "default": {4: _DECODE[4], 2: dict(_DECODE[2], programs_per_sm=4)},
-}
+GDN_DECODE = {"sm90": _DECODE, "sm100": _DECODE, "default": _DECODE}
 
 # causal conv1d: token block bt x channel block bc.
 CONV1D = {

@@ -579,11 +579,13 @@ def gdn_decode_pallas(q, k, v, g, beta, state_pool, slots, *, scale=None,
     if dv % bv:
         bv = dv
     # programs_per_sm: a grid of about that many programs an SM, each looping over its
-    # share of the rows; None: one row a program
+    # share of the rows; None (or a GPU that does not say its SM count): one row a
+    # program. Interpret mode counts one SM.
+    n_sm = 1 if interpret else gpu_sm_count()
     rows = 1
-    if cfg["programs_per_sm"]:
-        programs = cfg["programs_per_sm"] * (gpu_sm_count() or 1)
-        rows = pl.cdiv(N, max(1, programs // (Hv * (dv // bv))))
+    if cfg["programs_per_sm"] and n_sm:
+        programs = cfg["programs_per_sm"] * n_sm
+        rows = max(1, pl.cdiv(N, max(1, programs // (Hv * (dv // bv)))))
     o, pool = pl.pallas_call(
         functools.partial(_decode_kernel, ratio=Hv // Hk, use_l2=use_qk_l2norm,
                           scale=float(scale), bv=bv, n_slots=P, n_rows=N, rows=rows,
