@@ -3,6 +3,7 @@ the paged-attention part (bench/attention_kernels.py, ``--parts attention``) sha
 
     python -m bench.kernels [--quick] [--parts check,prefill,decode,conv,attention]
                             [--variants] [--profile] [--prefill-configs JSON] [--no-fla]
+                            [--prefill-shapes 1x8192,1x32768,16x4096]
                             [--out DIR]
 
 Order: environment, ceilings (copy bandwidth, bf16 matmul, measured here),
@@ -330,10 +331,14 @@ PREFILL_SHAPES = [
 ]
 
 
-def prefill_bench(quick, variants, use_fla):
+def prefill_bench(quick, variants, use_fla, only=None):
+    """only: the shape names to time (e.g. ["16x4096"]), so that the whole table can be
+    taken in several device calls; None: every shape (--quick: two)."""
     log("== GDN prefill (bf16 q/k/v, fp32 g/beta, dk=dv=128, l2norm in kernel, final state) ==")
     fla = _fla() if use_fla else None
     shapes = PREFILL_SHAPES[:1] + PREFILL_SHAPES[2:3] if quick else PREFILL_SHAPES
+    if only:
+        shapes = [sh for sh in shapes if sh[0] in only]
     dk = dv = 128
     if TINY:
         shapes = [("tiny", [100, 0, 30], 2, 4), ("tiny", [64, 64], 2, 2)]
@@ -624,6 +629,9 @@ def main(argv=None):
     ap.add_argument("--prefill-configs", type=json.loads, default=None,
                     help='JSON list of prefill configs to check and time (null = default)')
     ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--prefill-shapes", default=None,
+                    help="comma-separated prefill shape names to time (1x8192, 1x32768, "
+                         "16x4096); default all")
     ap.add_argument("--profile", action="store_true",
                     help="per-kernel device time: prefill, of each config --variants "
                          "times; decode, of the default config beside a pool-sized copy")
@@ -652,7 +660,8 @@ def main(argv=None):
     if "check" in parts:
         small_checks()
     if "prefill" in parts:
-        prefill_bench(a.quick, a.variants, not a.no_fla)
+        prefill_bench(a.quick, a.variants, not a.no_fla,
+                      a.prefill_shapes.split(",") if a.prefill_shapes else None)
     if "decode" in parts:
         decode_bench(a.quick, a.variants, not a.no_fla)
     if "conv" in parts:
