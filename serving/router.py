@@ -8,8 +8,11 @@ least-loaded decode worker, which pulls the cache itself.  The router never
 touches cache memory; it only carries the parameters.
 
 Faults surface as errors on the affected request only: an unreachable or dying
-worker (connection error or timeout on the HTTP call), or a decode worker refusing
-what a prefill worker accepted, raises ``WorkerFailed``;
+worker (connection error or timeout on the HTTP call), a prefill worker whose engine
+thread has stopped (a 503 that says ``engine_dead``), or a decode worker refusing what
+a prefill worker accepted, raises ``WorkerFailed``; a worker whose engine stopped is
+passed over until a health poll finds it well (a request that meets such a decode
+worker goes on to another);
 a decode worker that reports a failed transfer ends the stream with that
 message.  Closing a stream closes its HTTP call, which aborts the request on
 the worker.  Whatever the prefill side pinned is freed by its lease when no
@@ -147,7 +150,7 @@ class Router:
             raise WorkerFailed(f"prefill worker {url} failed: {e!r}") from None
         finally:
             self.prefill.load[url] -= 1
-        result = _checked(r, url)
+        result = self._checked(r, url)
         first = RequestOutput(
             request_id=request_id, prompt_token_ids=list(prompt_token_ids),
             token_ids=result["token_ids"], new_token_ids=list(result["token_ids"]),
@@ -174,6 +177,14 @@ class Router:
                 self.decode.load[url] -= 1
                 self._health[url] = repr(e)
                 raise WorkerFailed(f"decode worker {url} failed: {e!r}") from None
+            if response.status_code == 503 and _engine_dead(await response.aread()):
+                await response.aclose()
+                self.decode.load[url] -= 1
+                self._health[url] = f"engine dead: {_detail(response)}"
+                tried.add(url)
+                if tried >= set(self.decode.urls):
+                    raise WorkerFailed(f"no decode worker serves: {_detail(response)}")
+                continue
             if response.status_code == 503 and asyncio.get_running_loop().time() < deadline:
                 await response.aclose()
                 self.decode.load[url] -= 1
@@ -193,6 +204,19 @@ class Router:
                 raise WorkerFailed(f"decode worker {url} refused the request "
                                    f"({response.status_code}: {_detail(response)})")
             return url, response
+
+    def _checked(self, response: httpx.Response, url: str) -> dict:
+        if response.status_code == 200:
+            return response.json()
+        detail = _detail(response)
+        if response.status_code == 400:
+            raise ValueError(detail)
+        if response.status_code == 503 and _engine_dead(response.content):
+            self._health[url] = f"engine dead: {detail}"  # skipped until a poll finds it well
+            raise WorkerFailed(f"worker {url}: {detail}")
+        if response.status_code == 503:
+            raise EngineOverloaded(f"{url}: {detail}")
+        raise WorkerFailed(f"worker {url} answered {response.status_code}: {detail}")
 
     def _down(self) -> set[str]:
         return {u for u, e in self._health.items() if e is not None}
@@ -268,12 +292,9 @@ def _detail(response: httpx.Response) -> str:
         return response.text
 
 
-def _checked(response: httpx.Response, url: str) -> dict:
-    if response.status_code == 200:
-        return response.json()
-    detail = _detail(response)
-    if response.status_code == 400:
-        raise ValueError(detail)
-    if response.status_code == 503:
-        raise EngineOverloaded(f"{url}: {detail}")
-    raise WorkerFailed(f"worker {url} answered {response.status_code}: {detail}")
+def _engine_dead(body: bytes) -> bool:
+    """Whether a worker's 503 says its engine thread has stopped (not merely full)."""
+    try:
+        return bool(json.loads(body).get("engine_dead"))
+    except (ValueError, AttributeError):
+        return False

@@ -377,7 +377,9 @@ def build_app(worker: Worker, *, fault_injection: bool = False) -> FastAPI:
 
     @app.exception_handler(EngineDead)
     async def _dead(_, e):
-        return JSONResponse({"detail": str(e)}, status_code=503)
+        # "engine_dead" tells the router to stop sending here, where a full engine's
+        # 503 only says "try another or later"
+        return JSONResponse({"detail": str(e), "engine_dead": True}, status_code=503)
 
     @app.exception_handler(TransferFailed)
     async def _unreachable(request, e):  # a source this worker could not reach
@@ -402,6 +404,7 @@ def build_app(worker: Worker, *, fault_injection: bool = False) -> FastAPI:
 
     @app.get("/stats")
     async def stats():
+        worker.engine.check_health()  # the router's health poll reads this endpoint
         return worker.stats()
 
     if fault_injection:

@@ -338,14 +338,15 @@ def test_malformed_and_stale_transfer_params_are_refused(stack):
     params = {"max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
     body = {"request_id": "bad-1", "prompt_token_ids": [3, 4, 5], "first_token": 7,
             "params": params}
+    lease = "0000dead.0"  # well formed, so each case reaches the check it is about
     bad = {
         "wrong type": {"agent": 1},
-        "missing keys": {"agent": source["agent"], "lease": "x"},
-        "bad address": {"agent": source["agent"], "lease": "x", "items": [], "ttl": 5,
+        "missing keys": {"agent": source["agent"], "lease": lease},
+        "bad address": {"agent": source["agent"], "lease": lease, "items": [], "ttl": 5,
                         "address": "nowhere"},
-        "stale agent at a live address": {"agent": "prefill-restarted-long-ago", "lease": "x",
+        "stale agent at a live address": {"agent": "prefill-restarted-long-ago", "lease": lease,
                                           "items": [], "ttl": 5, "address": address},
-        "outside the source's regions": {"agent": source["agent"], "lease": "x", "ttl": 5,
+        "outside the source's regions": {"agent": source["agent"], "lease": lease, "ttl": 5,
                                          "address": address, "items": [["kv", 0, 10**12]]},
     }
     for what, transfer in bad.items():

@@ -1,5 +1,6 @@
 """The router without worker processes (tests/test_disagg.py runs the real ones)."""
 import asyncio
+import json
 
 import pytest
 
@@ -62,3 +63,89 @@ def test_a_decode_refusal_of_an_accepted_request_is_a_worker_failure():
         with pytest.raises(kind, match="stale params"):
             asyncio.run(router.add("r", [1, 2, 3], SamplingParams(max_tokens=4)))
         assert router.decode.load["http://d"] == 0
+
+
+def _two_of_each(dead: str):
+    """Two prefill and two decode workers behind an httpx mock; the worker `dead` answers
+    as one whose engine thread has stopped (503 with engine_dead, /stats too). Returns
+    the router and the per-URL call counts."""
+    import collections
+
+    import httpx
+
+    calls = collections.Counter()
+
+    def handler(request):
+        url = f"http://{request.url.host}"
+        calls[url, request.url.path] += 1
+        if url == dead:
+            return httpx.Response(503, json={"detail": "engine stopped: boom",
+                                             "engine_dead": True})
+        if request.url.path == "/stats":
+            return httpx.Response(200, json={})
+        if request.url.path == "/prefill":
+            return httpx.Response(200, json={
+                "token_ids": [7], "logprobs": None, "finish_reason": None,
+                "stop_reason": None, "transfer": {"agent": "a", "lease": "l", "items": []}})
+        return httpx.Response(200, text=json.dumps({
+            "new_token_ids": [8], "finished": True, "finish_reason": "length",
+            "stop_reason": None}) + "\n")
+
+    router = Router(["http://p0", "http://p1"], ["http://d0", "http://d1"],
+                    max_model_len=64, max_logprobs=0)
+    router._client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    router._ensure_polling = lambda: None
+    return router, calls
+
+
+async def _serve(router, n):
+    """n requests one after another; the exception or the tokens of each."""
+    from serving.engine import SamplingParams
+
+    out = []
+    for i in range(n):
+        try:
+            stream = await router.add(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=2))
+            out.append([o.token_ids async for o in stream][-1])
+        except Exception as e:  # noqa: BLE001 -- the test inspects it
+            out.append(e)
+    return out
+
+
+def test_a_prefill_worker_whose_engine_died_is_no_longer_picked():
+    """Its 503 says the engine stopped (not that it is full): the request that met it
+    fails as WorkerFailed, the worker is marked down, and the next requests all go to
+    the live one. A health poll finds it down too."""
+    from serving.router import WorkerFailed
+
+    router, calls = _two_of_each(dead="http://p0")
+    out = asyncio.run(_serve(router, 6))
+    failed = [o for o in out if isinstance(o, Exception)]
+    assert len(failed) <= 1 and all(isinstance(e, WorkerFailed) for e in failed)
+    assert out[-5:] == [[7, 8]] * 5
+    assert calls["http://p0", "/prefill"] <= 1 and "http://p0" in router._down()
+    router._health["http://p0"] = None  # forget it; the poll must find it again
+    asyncio.run(router.poll_workers())
+    assert router._down() == {"http://p0"}
+
+
+def test_a_decode_worker_whose_engine_died_is_passed_over():
+    """A request that meets it goes on to the live decode worker at once (no retries
+    for the retry window, no failure), and later requests skip it."""
+    router, calls = _two_of_each(dead="http://d0")
+    out = asyncio.run(_serve(router, 6))
+    assert out == [[7, 8]] * 6
+    assert calls["http://d0", "/decode"] <= 1 and "http://d0" in router._down()
+    assert router.decode.load == {"http://d0": 0, "http://d1": 0}
+
+
+def test_no_live_decode_worker_fails_the_request():
+    """With every decode worker's engine stopped the request fails as WorkerFailed, not
+    as an overloaded server retried for the whole retry window."""
+    from serving.router import WorkerFailed
+
+    router, _ = _two_of_each(dead="http://d0")
+    router.decode.urls.remove("http://d1")
+    del router.decode.load["http://d1"]
+    [err] = asyncio.run(_serve(router, 1))
+    assert isinstance(err, WorkerFailed) and "engine stopped" in str(err)

@@ -282,6 +282,10 @@ def test_malformed_params_are_refused_and_disturb_nothing(source, puller):
         ({**other, "items": blocks([12, 13])}, "local items hold 4096 bytes but remote items 8192"),
         ({**other, "agent": "someone-else", "address": None}, "unknown source agent 'someone-else'"),
         ({**other, "address": "localhost:1"}, "'address' must be"),
+        ({**other, "lease": ""}, "'lease' must be"),
+        ({**other, "lease": other["lease"] + " x"}, "'lease' must be"),
+        ({**other, "items": [["kv", [12 * BLOCK], BLOCK]]}, r"remote item 0: expected \(str, int, int\)"),
+        ({**other, "items": [["kv", [12 * BLOCK, 0], BLOCK]]}, r"remote item 0: expected \(str, int, int\)"),
         (good, "already being pulled"),
     ]
     for params, message in bad:

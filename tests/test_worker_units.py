@@ -241,3 +241,34 @@ def test_decode_from_an_unreachable_source_fails_before_reserving_anything():
     with pytest.raises(worker_mod.TransferFailed, match="unreachable"):
         asyncio.run(run())
     assert calls == [] and w._confirmations == {}
+
+
+def test_a_worker_whose_engine_stopped_says_so_on_every_endpoint_the_router_reads():
+    """/stats (the router's health poll) and /prefill answer 503 with engine_dead, which
+    the router takes as "stop sending here" (a full engine's 503 does not carry it)."""
+    from fastapi.testclient import TestClient
+
+    from serving.async_engine import EngineOverloaded
+
+    def stopped():
+        raise EngineDead("engine stopped: boom")
+
+    async def prefill(*a, **k):
+        stopped()
+
+    worker = SimpleNamespace(role="prefill", engine=SimpleNamespace(check_health=stopped),
+                             stats=dict, prefill=prefill)
+    client = TestClient(worker_mod.build_app(worker))
+    for r in (client.get("/stats"), client.get("/health"),
+              client.post("/prefill", json={"request_id": "r", "prompt_token_ids": [1],
+                                            "params": {}})):
+        assert r.status_code == 503 and r.json() == {"detail": "engine stopped: boom",
+                                                     "engine_dead": True}
+
+    async def full(*a, **k):
+        raise EngineOverloaded("no free slot")
+
+    worker.engine.check_health, worker.prefill = (lambda: None), full
+    assert client.get("/stats").status_code == 200
+    r = client.post("/prefill", json={"request_id": "r", "prompt_token_ids": [1], "params": {}})
+    assert r.status_code == 503 and "engine_dead" not in r.json()

@@ -73,6 +73,7 @@ import dataclasses
 import itertools
 import logging
 import queue
+import re
 import threading
 import time
 import uuid
@@ -209,8 +210,12 @@ class TransferManager:
         """Handshake with the manager at ``address``; returns its agent name.
 
         Raises CompatibilityError on a mismatched peer, HandshakeError if unreachable.
+        May run on any thread (the decode worker calls it from an executor so that a slow
+        handshake does not hold its event loop); the thread binds itself first, since UCX
+        picks a connection's transports by the calling thread's CUDA device.
         """
         peer = exchange(tuple(address), self._hello, timeout)  # a socket round trip: unlocked
+        self.agent.bind_thread()
         with self._lock:
             self._add_peer(peer)
             self._addresses[peer.agent] = tuple(address)
@@ -627,6 +632,9 @@ class TransferManager:
             self.agent.close()
 
 
+_LEASE = re.compile(r"[0-9a-f]+\.[0-9]+")  # LeaseTable.pin's ids
+
+
 def _parse(params) -> tuple[str, str, list, float, Address | None]:
     """Check the shape of transfer parameters; TransferParamsError names what is wrong."""
     if not isinstance(params, dict):
@@ -638,6 +646,11 @@ def _parse(params) -> tuple[str, str, list, float, Address | None]:
             raise TransferParamsError(f"transfer params: {key!r} has type {type(params[key]).__name__}")
     if params["ttl"] <= 0:
         raise TransferParamsError(f"transfer params: 'ttl' must be positive, got {params['ttl']}")
+    if not _LEASE.fullmatch(params["lease"]):
+        # the lease travels in space-separated notifications: one the source cannot
+        # parse back would leave the pull to time out
+        raise TransferParamsError(f"transfer params: 'lease' must be <epoch>.<n>, got "
+                                  f"{params['lease'][:40]!r}")
     address = params.get("address")
     if address is not None:
         if not (isinstance(address, (list, tuple)) and len(address) == 2
