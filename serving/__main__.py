@@ -57,7 +57,7 @@ def worker_flags(args, argv: list[str]) -> list[str]:
     """The engine flags given on our command line, passed through to the workers."""
     return without_flags(argv, LAUNCHER_FLAGS | {
         "--port", "--host", "--startup-timeout", "--served-model-name",
-        "--max-queued-requests", "--tokenizer"})
+        "--max-queued-requests"})
 
 
 def gpus() -> list[str]:

@@ -79,7 +79,7 @@ class Worker:
     def __init__(self, role: str, model, config: EngineConfig, *, model_name: str, dtype,
                  lease_ttl: float = 30.0, transfer_timeout: float = 30.0,
                  recompute_on_failure: bool = False, faults: Faults | None = None,
-                 host: str = "127.0.0.1", transfer_port: int = 0):
+                 host: str = "127.0.0.1", transfer_port: int = 0, tokenizer=None):
         if role not in ("prefill", "decode"):
             raise ValueError(f"role must be prefill or decode, got {role!r}")
         self.role, self.model_name = role, model_name
@@ -97,7 +97,8 @@ class Worker:
             mesh=mesh)
         self.compat = compat_record(cfg, cache, model_name)
         self.regions = {r.name: r for r in regions}
-        engine = Engine(model, cache, config, batch_type=_batch_type())
+        # the tokenizer checks stop strings, on both sides: the first token can end one
+        engine = Engine(model, cache, config, tokenizer=tokenizer, batch_type=_batch_type())
         # unique across restarts: a peer keeps a known name's metadata, so a restarted
         # worker must not come back under its old one (an object id can repeat)
         self.agent = Agent(regions, name=f"{role}-{uuid.uuid4().hex}")
@@ -444,6 +445,7 @@ def build_app(worker: Worker, *, fault_injection: bool = False) -> FastAPI:
 
 def main(argv=None):
     from serving.api.server import engine_kwargs, parser
+    from serving.api.text import Tokenizer, find_tokenizer
 
     p = parser()
     p.prog = "python -m serving.worker"
@@ -474,7 +476,8 @@ def main(argv=None):
     worker = Worker(a.role, model, config, model_name=name, dtype=dtype,
                     lease_ttl=a.lease_ttl, transfer_timeout=a.transfer_timeout,
                     recompute_on_failure=a.on_transfer_failure == "recompute",
-                    host=a.host, transfer_port=a.transfer_port)
+                    host=a.host, transfer_port=a.transfer_port,
+                    tokenizer=Tokenizer(find_tokenizer(name, a.tokenizer)))
     log.info("%s worker ready in %.1f s on %s: http %s:%d, transfer %s", a.role,
              time.perf_counter() - t0, jax.devices()[0], a.host, a.port,
              worker.transfer.address)

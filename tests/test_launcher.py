@@ -73,6 +73,20 @@ def test_completion_and_chat_through_the_router(server):
     assert samples["vllm:num_requests_running"] == 0
 
 
+def test_stop_strings_through_the_router(server):
+    """Both workers check stop strings (the prefill worker's first token can end one):
+    the text ends where the stop string starts, as the aggregated server cuts it."""
+    proc, url = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+    ask = dict(model="tiny", prompt="hello there", max_tokens=12, temperature=0,
+               extra_body={"ignore_eos": True})
+    text = client.completions.create(**ask).choices[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    out = client.completions.create(**ask, stop=[stop])
+    assert out.choices[0].finish_reason == "stop"
+    assert out.choices[0].text == text[:text.find(stop)]
+
+
 def test_sigterm_with_a_stream_open_stops_every_process(server):
     """SIGTERM to the launcher alone, while a client is mid-stream: the router closes the
     stream after its grace period and stops both workers."""
