@@ -176,7 +176,14 @@ class Router:
             except httpx.TransportError as e:
                 self.decode.load[url] -= 1
                 self._health[url] = repr(e)
+                tried.add(url)
+                # a refused connection never reached the worker: another may take it
+                if isinstance(e, httpx.ConnectError) and not tried >= set(self.decode.urls):
+                    continue
                 raise WorkerFailed(f"decode worker {url} failed: {e!r}") from None
+            except BaseException:  # cancelled: the caller went away
+                self.decode.load[url] -= 1
+                raise
             if response.status_code == 503 and _engine_dead(await response.aread()):
                 await response.aclose()
                 self.decode.load[url] -= 1

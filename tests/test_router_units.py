@@ -65,10 +65,10 @@ def test_a_decode_refusal_of_an_accepted_request_is_a_worker_failure():
         assert router.decode.load["http://d"] == 0
 
 
-def _two_of_each(dead: str):
-    """Two prefill and two decode workers behind an httpx mock; the worker `dead` answers
-    as one whose engine thread has stopped (503 with engine_dead, /stats too). Returns
-    the router and the per-URL call counts."""
+def _two_of_each(dead: str | None):
+    """Two prefill and two decode workers behind an httpx mock; the worker `dead` (None:
+    none) answers as one whose engine thread has stopped (503 with engine_dead, /stats
+    too). Returns the router and the per-URL call counts."""
     import collections
 
     import httpx
@@ -149,3 +149,55 @@ def test_no_live_decode_worker_fails_the_request():
     del router.decode.load["http://d1"]
     [err] = asyncio.run(_serve(router, 1))
     assert isinstance(err, WorkerFailed) and "engine stopped" in str(err)
+
+
+def test_a_decode_worker_that_refuses_connections_is_passed_over():
+    """A refused connection never reached the worker, so the request goes on to the other
+    decode worker; with none left it fails as WorkerFailed. Loads return to zero."""
+    import httpx
+
+    from serving.router import WorkerFailed
+
+    router, calls = _two_of_each(dead=None)
+    handler = router._client._transport.handler
+
+    def refusing(request):
+        if request.url.host == "d0":
+            raise httpx.ConnectError("connection refused", request=request)
+        return handler(request)
+
+    router._client = httpx.AsyncClient(transport=httpx.MockTransport(refusing))
+    assert asyncio.run(_serve(router, 3)) == [[7, 8]] * 3
+    assert "http://d0" in router._down() and router.decode.load == {"http://d0": 0, "http://d1": 0}
+    router.decode.urls.remove("http://d1")
+    del router.decode.load["http://d1"]
+    [err] = asyncio.run(_serve(router, 1))
+    assert isinstance(err, WorkerFailed) and "connection refused" in str(err)
+
+
+def test_a_cancelled_decode_start_drops_its_load():
+    """The caller going away while the decode worker has not answered yet must not leave
+    the worker counted as busier."""
+    import httpx
+
+    from serving.engine import SamplingParams
+
+    router, _ = _two_of_each(dead=None)
+    handler = router._client._transport.handler
+
+    async def slow(request):
+        if request.url.path == "/decode":
+            await asyncio.sleep(10)
+        return handler(request)
+
+    router._client = httpx.AsyncClient(transport=httpx.MockTransport(slow))
+
+    async def main():
+        task = asyncio.create_task(router.add("r", [1, 2, 3], SamplingParams(max_tokens=2)))
+        await asyncio.sleep(0.2)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    assert router.decode.load == {"http://d0": 0, "http://d1": 0}
