@@ -184,33 +184,27 @@ class Router:
             except BaseException:  # cancelled: the caller went away
                 self.decode.load[url] -= 1
                 raise
-            if response.status_code == 503 and _engine_dead(await response.aread()):
-                await response.aclose()
-                self.decode.load[url] -= 1
-                self._health[url] = f"engine dead: {_detail(response)}"
-                tried.add(url)
+            if response.status_code == 200:
+                return url, response
+            await response.aread()
+            await response.aclose()
+            self.decode.load[url] -= 1
+            tried.add(url)
+            if self._engine_died(response, url):
                 if tried >= set(self.decode.urls):
                     raise WorkerFailed(f"no decode worker serves: {_detail(response)}")
                 continue
             if response.status_code == 503 and asyncio.get_running_loop().time() < deadline:
-                await response.aclose()
-                self.decode.load[url] -= 1
-                tried.add(url)
                 if tried >= set(self.decode.urls):
-                    tried.clear()
+                    tried = set(self._down())  # every live one is full: again, shortly
                     await asyncio.sleep(0.05)
                 continue
-            if response.status_code != 200:
-                await response.aread()
-                await response.aclose()
-                self.decode.load[url] -= 1
-                if response.status_code == 503:  # still full when the retries ran out
-                    raise EngineOverloaded(f"{url}: {_detail(response)}")
-                # the prefill worker accepted this request: a refusal here (say, stale
-                # params after a prefill restart) is the system's failure, not the client's
-                raise WorkerFailed(f"decode worker {url} refused the request "
-                                   f"({response.status_code}: {_detail(response)})")
-            return url, response
+            if response.status_code == 503:  # still full when the retries ran out
+                raise EngineOverloaded(f"{url}: {_detail(response)}")
+            # the prefill worker accepted this request: a refusal here (say, stale
+            # params after a prefill restart) is the system's failure, not the client's
+            raise WorkerFailed(f"decode worker {url} refused the request "
+                               f"({response.status_code}: {_detail(response)})")
 
     def _checked(self, response: httpx.Response, url: str) -> dict:
         if response.status_code == 200:
@@ -218,12 +212,25 @@ class Router:
         detail = _detail(response)
         if response.status_code == 400:
             raise ValueError(detail)
-        if response.status_code == 503 and _engine_dead(response.content):
-            self._health[url] = f"engine dead: {detail}"  # skipped until a poll finds it well
+        if self._engine_died(response, url):
             raise WorkerFailed(f"worker {url}: {detail}")
         if response.status_code == 503:
             raise EngineOverloaded(f"{url}: {detail}")
         raise WorkerFailed(f"worker {url} answered {response.status_code}: {detail}")
+
+    def _engine_died(self, response: httpx.Response, url: str) -> bool:
+        """Whether ``response`` (read) is a 503 saying the worker's engine thread stopped,
+        not merely that it is full; such a worker is marked down, so it is passed over
+        until a health poll finds it well."""
+        if response.status_code != 503:
+            return False
+        try:
+            dead = bool(response.json().get("engine_dead"))
+        except (ValueError, AttributeError):
+            return False
+        if dead:
+            self._health[url] = f"engine dead: {_detail(response)}"
+        return dead
 
     def _down(self) -> set[str]:
         return {u for u, e in self._health.items() if e is not None}
@@ -297,11 +304,3 @@ def _detail(response: httpx.Response) -> str:
         return response.json().get("detail", response.text)
     except ValueError:
         return response.text
-
-
-def _engine_dead(body: bytes) -> bool:
-    """Whether a worker's 503 says its engine thread has stopped (not merely full)."""
-    try:
-        return bool(json.loads(body).get("engine_dead"))
-    except (ValueError, AttributeError):
-        return False

@@ -18,11 +18,13 @@ import collections
 import dataclasses
 import itertools
 import logging
+import re
 import time
 from typing import Callable, Iterator
 
 log = logging.getLogger(__name__)
 
+ID = re.compile(r"[0-9a-f]+\.[0-9]+")  # the names ``Leases.pin`` gives: <epoch>.<n>
 REMEMBERED = 65536  # ended leases remembered, to re-ack a repeated "done" of the same pull
 
 

@@ -73,7 +73,6 @@ import dataclasses
 import itertools
 import logging
 import queue
-import re
 import threading
 import time
 import uuid
@@ -84,6 +83,7 @@ from transfer.agent import Agent, PeerDisconnected
 from transfer.drain import Drains
 from transfer.handshake import (Address, CompatibilityError, HandshakeError, HandshakeServer, Hello,
                                 exchange, ping)
+from transfer import lease as lease_ids
 from transfer.lease import Leases
 
 log = logging.getLogger(__name__)
@@ -632,9 +632,6 @@ class TransferManager:
             self.agent.close()
 
 
-_LEASE = re.compile(r"[0-9a-f]+\.[0-9]+")  # LeaseTable.pin's ids
-
-
 def _parse(params) -> tuple[str, str, list, float, Address | None]:
     """Check the shape of transfer parameters; TransferParamsError names what is wrong."""
     if not isinstance(params, dict):
@@ -646,7 +643,7 @@ def _parse(params) -> tuple[str, str, list, float, Address | None]:
             raise TransferParamsError(f"transfer params: {key!r} has type {type(params[key]).__name__}")
     if params["ttl"] <= 0:
         raise TransferParamsError(f"transfer params: 'ttl' must be positive, got {params['ttl']}")
-    if not _LEASE.fullmatch(params["lease"]):
+    if not lease_ids.ID.fullmatch(params["lease"]):
         # the lease travels in space-separated notifications: one the source cannot
         # parse back would leave the pull to time out
         raise TransferParamsError(f"transfer params: 'lease' must be <epoch>.<n>, got "
