@@ -210,12 +210,12 @@ def small_checks():
             Hk, Hv, dk, dv, P = 2, 4, 32, 32, 10
             slots = np.array([3, -1, 0, 12, 9, 5], np.int32)
         else:
-            # 70 rows: with a bf16 pool, 2 programs an SM on 132 SMs and Hv 8 give 3 rows
-            # a program (8 x 24 programs); the last program's rows are 69 (a real slot)
-            # and two past the batch. -1 and P + 5 (rows 66, 67) are padding.
+            # 69 rows: with a bf16 pool, 3 programs an SM on 132 SMs and Hv 8 give 2 rows
+            # a program (8 x 35 programs); the last program's rows are 68 (a real slot)
+            # and one past the batch. -1 and P + 5 (rows 65, 66) are padding.
             Hk, Hv, dk, dv, P = 2, 8, 128, 128, 80
             perm = rng.permutation(P)
-            slots = np.concatenate([perm[:66], [-1, P + 5], perm[66:68]]).astype(np.int32)
+            slots = np.concatenate([perm[:65], [-1, P + 5], perm[65:67]]).astype(np.int32)
         N = len(slots)
         key, k1, k2 = jax.random.split(key, 3)
         q, k, v, g, beta = (a[0] for a in _rand_gdn(k1, N, Hk, Hv, dk, dv, jnp.float32))

@@ -47,10 +47,11 @@ GDN_PREFILL = {
 # pool-sized copy in decode run 4; the loop gains nothing there, decode run 7); bf16
 # with the product, bv 128 / 4 warps best of 5 (decode run 5), again with the product
 # transposed and the update packed (decode run 6: bv 64 and 8 warps 5-9 points
-# behind), and the loop at 2 programs an SM (the kernel holds 2 CTAs an SM; 3 would
-# take a second wave) with 3 stages: 79-85 % against 77-81 % (decode run 7)
+# behind), and the loop (decode run 7: 79-85 % against 77-81 %) at 3 programs an SM
+# (3 CTAs an SM once the tile's load has its own index) with 2 stages (decode run 8:
+# 83-90 %)
 _DECODE = {4: dict(bv=64, warps=4, stages=2, mma=False, programs_per_sm=None),
-           2: dict(bv=128, warps=4, stages=3, mma=True, programs_per_sm=2)}
+           2: dict(bv=128, warps=4, stages=2, mma=True, programs_per_sm=3)}
 GDN_DECODE = {"sm90": _DECODE, "sm100": _DECODE, "default": _DECODE}
 
 # causal conv1d: token block bt x channel block bc.

@@ -471,8 +471,11 @@ def _decode_kernel(slots_ref, q_ref, k_ref, v_ref, g_ref, b_ref, pool_in_ref,
         sc = jnp.where(valid, slot, 0)
         # Loads first, the tile's above all: the normalisation synchronises the warps,
         # and the tile's loads, written after it, were issued only once it was done
-        # (bench/RESULTS.md, decode run 6).
-        S = pool_ref[sc, h, :, pl.ds(v0, bv)]  # [dk, bv], the pool's dtype
+        # (bench/RESULTS.md, decode run 6). The load has its own index, the slot
+        # clamped into the pool (a padding row's tile is read and dropped), so the loop
+        # does not carry its pointers to the store: 154 registers a thread, 3 CTAs an
+        # SM where the store's index held 2 (decode run 8).
+        S = pool_ref[jnp.clip(slot, 0, n_slots - 1), h, :, pl.ds(v0, bv)]  # [dk, bv]
         q = q_ref[n, hk, :].astype(jnp.float32)
         k = k_ref[n, hk, :].astype(jnp.float32)
         v = v_ref[n, h, pl.ds(v0, bv)].astype(jnp.float32)
