@@ -106,9 +106,9 @@ class Worker:
                                         lease_ttl=lease_ttl, faults=faults)
         self._pulls: dict[int, str] = {}  # pull id -> request id (engine thread only)
         self._started: set[int] = set()  # pulls whose request decodes before the ack
-        # failed pulls whose READ may still write into the request's memory: pull id ->
-        # request id, whose memory is freed (or recomputed into) once the READ has ended
-        self._draining: dict[int, str] = {}
+        # failed pulls whose READ may still write into the memory their request gave up
+        # (Engine.abandon_transfer): pull id -> (blocks, slot), freed once the READ ended
+        self._draining: dict[int, tuple[list[int], int | None]] = {}
         # request id -> (future, its loop), resolved when the transfer is acked or fails
         # (see `decode`)
         self._confirmations: dict[str, tuple[asyncio.Future, asyncio.AbstractEventLoop]] = {}
@@ -289,16 +289,18 @@ class Worker:
                     continue
             else:
                 self._confirm(request_id)
-            # the abort left the memory to the transfer: free it (or recompute the prompt
-            # into it), once no late byte of the READ can land there
+            # The request's memory is still the transfer's. A READ that has ended: free
+            # the memory, or recompute the prompt in it. One that may still land bytes
+            # there: the request gives the memory up now (a recompute runs in fresh
+            # memory), and the memory stays out of the pools until the READ has ended.
             if c.settled:
                 eng.finish_transfer(request_id, ok=False)
             else:
-                self._draining[c.pull_id] = request_id
+                self._draining[c.pull_id] = eng.abandon_transfer(request_id)
         for pull_id in self.transfer.settled():  # after the completions that it follows
-            request_id = self._draining.pop(pull_id, None)
-            if request_id is not None:
-                eng.finish_transfer(request_id, ok=False)
+            memory = self._draining.pop(pull_id, None)
+            if memory is not None:
+                eng.free_memory(memory)
 
     # ---- status -------------------------------------------------------------------------
 

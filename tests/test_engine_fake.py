@@ -186,6 +186,9 @@ def test_500_random_requests_fenced_and_all_memory_returned(engine):
     try:
         rng = np.random.default_rng(7)
         live, transfers, n_added, n_done = [], {}, 0, 0
+        # memory a failed transfer's READ may still write: (blocks, slots, memory, the
+        # last step dispatched before it was given up)
+        draining = []
         while n_added < 500 or engine.has_unfinished():
             for _ in range(int(rng.integers(0, 4))):
                 if n_added < 500:
@@ -209,8 +212,19 @@ def test_500_random_requests_fenced_and_all_memory_returned(engine):
             if live and rng.random() < 0.15:
                 engine.abort(live.pop(int(rng.integers(len(live)))))
             for rid in [r for r in transfers if rng.random() < 0.2]:
-                del transfers[rid]  # "transfer failed": the prompt is recomputed locally
-                engine.finish_transfer(rid, ok=False)
+                del transfers[rid]
+                if rng.random() < 0.5:  # "transfer failed": the prompt is recomputed locally
+                    engine.finish_transfer(rid, ok=False)
+                    continue
+                # failed with its READ still running: the request (aborted, or recomputed
+                # in fresh memory) gives the memory up until the READ ends
+                if rng.random() < 0.3:
+                    engine.abort(rid)
+                memory = engine.abandon_transfer(rid)
+                draining.append((set(memory[0]), {memory[1]}, memory, fence.dispatched))
+            for d in [d for d in draining if rng.random() < 0.2]:  # the READ ended
+                draining.remove(d)
+                engine.free_memory(d[2])
             engine.config.async_scheduling = bool(rng.random() < 0.8)
             for o in engine.step():
                 n_done += o.finished
@@ -221,8 +235,14 @@ def test_500_random_requests_fenced_and_all_memory_returned(engine):
                     assert not blocks & free_blocks and not slots & free_slots, seq
                     for t_blocks, t_slots in transfers.values():
                         assert not blocks & t_blocks and not slots & t_slots, seq
+            for d_blocks, d_slots, _, since in draining:  # no later step, no free pool
+                assert not d_blocks & free_blocks and not d_slots & free_slots
+                assert all(not blocks & d_blocks and not slots & d_slots
+                           for seq, (blocks, slots) in used.items() if seq > since)
     finally:
         runner.run = run
+    for d in draining:
+        engine.free_memory(d[2])
     assert n_done > 300
     assert_all_free(engine)
 

@@ -85,6 +85,46 @@ def test_failed_pull_whose_read_runs_on_holds_its_memory_until_the_read_ends():
     eng.close()
 
 
+def test_recompute_does_not_wait_for_a_read_that_runs_on():
+    """With ``--on-transfer-failure recompute``, a pull that timed out with its READ in
+    flight recomputes the prompt at once, in fresh memory: the request finishes with
+    the right tokens while the READ still writes into the memory it gave up, which
+    stays out of the pools until ``settled()`` lists the pull."""
+    import jax
+    import numpy as np
+    from test_engine_fake_model import reference_greedy
+
+    eng, rid, w, failed, confirmed = _decode_worker_with_a_pull(7)
+    w.recompute = True
+    prompt = eng.requests[rid].prompt_token_ids
+    old_blocks, old_slot = list(eng.requests[rid].block_ids), eng.requests[rid].slot
+    w.transfer = _transfers(completions=[
+        Completion(7, "lease", TransferError("timeout", "deadline"), 0, 0, 0.0, settled=False)])
+    worker_mod.Worker._tick(w, eng)
+    assert failed == [] and confirmed == [(rid, None)] and 7 in w._draining
+    late_read = jax.jit(lambda c: type(c)(c.kv.at[np.asarray(old_blocks)].set(-5),
+                                          c.ssm.at[old_slot].set(-5)), donate_argnums=0)
+    done, used = {}, set()
+    w.transfer = _transfers()
+    for _ in range(100):  # the READ has not ended: settled() stays empty
+        if not eng.has_unfinished():
+            break
+        if rid in eng.requests and eng.requests[rid].block_ids:
+            used |= set(eng.requests[rid].block_ids) | {eng.requests[rid].slot + 1000}
+        eng.runner.cache = late_read(eng.runner.cache)  # its bytes keep landing
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+        worker_mod.Worker._tick(w, eng)
+    assert done[rid].token_ids == reference_greedy(prompt, 8, VOCAB)
+    assert not used & (set(old_blocks) | {old_slot + 1000})
+    eng.fence.wait_all()
+    assert eng.blocks.num_free == NUM_BLOCKS - len(old_blocks) and eng.slots.num_free == SLOTS - 1
+    w.transfer = _transfers(settled=[7])  # the READ ended
+    worker_mod.Worker._tick(w, eng)
+    eng.fence.wait_all()
+    assert eng.blocks.num_free == NUM_BLOCKS and eng.slots.num_free == SLOTS and not w._draining
+    eng.close()
+
+
 def test_confirmation_wait_ends_when_the_engine_dies():
     """Only the engine thread resolves a pull's confirmation: if it stops, the waiting
     request gets EngineDead instead of hanging."""

@@ -135,6 +135,20 @@ class Engine:
         if req.is_finished:
             self.requests.pop(request_id, None)
 
+    def abandon_transfer(self, request_id: str) -> tuple[list[int], int | None]:
+        """The transfer into the request's memory failed and may still be writing it:
+        the request (unless aborted) recomputes its prompt in fresh memory. Returns the
+        old memory, for `free_memory` once the transfer has ended."""
+        req = self.requests[request_id]
+        memory = self.scheduler.abandon_transfer(req)
+        if req.is_finished:
+            self.requests.pop(request_id, None)
+        return memory
+
+    def free_memory(self, memory: tuple[list[int], int | None]) -> None:
+        """Return memory that `abandon_transfer` handed out to the pools."""
+        self.scheduler.free_memory(*memory)
+
     def abort(self, request_id: str) -> RequestOutput | None:
         req = self.requests.get(request_id)
         if req is None or req.is_finished:

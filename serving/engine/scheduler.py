@@ -96,6 +96,10 @@ class Scheduler:
         """Return a request's blocks and slot once in-flight steps are done."""
         blocks, slot = req.block_ids, req.slot
         req.block_ids, req.slot = [], None
+        self.free_memory(blocks, slot)
+
+    def free_memory(self, blocks: list[int], slot: int | None) -> None:
+        """Return blocks and a slot that no request holds once in-flight steps are done."""
 
         def give_back():
             self.blocks.free(blocks)
@@ -135,6 +139,22 @@ class Scheduler:
         req.num_computed_tokens = req.num_prompt_tokens if ok else 0
         req.status = Status.RUNNING
         self.running.append(req)
+
+    def abandon_transfer(self, req: Request) -> tuple[list[int], int | None]:
+        """The transfer into `req`'s memory failed, and its bytes may still land
+        there (NIXL does not stop a released READ). The request gives that memory
+        up at once and, unless aborted, goes back to the head of the queue to
+        recompute its prompt in fresh memory, as a preempted request does, so it
+        waits for no transfer. Returns the memory, for `free_memory` once
+        nothing can write it any more."""
+        del self.transferring[req.request_id]
+        memory = req.block_ids, req.slot
+        req.block_ids, req.slot = [], None
+        if not req.is_finished:
+            req.num_computed_tokens = 0
+            req.status = Status.WAITING
+            self.waiting.appendleft(req)
+        return memory
 
     # ---- the step -------------------------------------------------------
 
