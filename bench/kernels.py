@@ -2,7 +2,8 @@
 the paged-attention part (bench/attention_kernels.py, ``--parts attention``) shares.
 
     python -m bench.kernels [--quick] [--parts check,prefill,decode,conv,attention]
-                            [--variants] [--profile] [--prefill-configs JSON] [--no-fla]
+                            [--variants] [--profile] [--prefill-configs JSON]
+                            [--decode-configs JSON] [--no-fla]
                             [--prefill-shapes 1x8192,1x32768,16x4096]
                             [--out DIR]
 
@@ -448,6 +449,12 @@ def prefill_bench(quick, variants, use_fla, only=None):
 DECODE_SHAPES = [(256, 64), (64, 64), (256, 32), (1024, 32)]
 
 
+# decode configs (overrides of the state width's tuning entry) that --decode-configs
+# times on every shape and state width, each with its device time under --profile; None:
+# the default alone (--variants: a bv x warps sweep at the first shape)
+DECODE_CFGS = None
+
+
 def decode_bench(quick, variants, use_fla):
     log("== GDN decode (one token per sequence, Hk=16, dk=dv=128, state pool in place) ==")
     fla = _fla() if use_fla else None
@@ -465,8 +472,8 @@ def decode_bench(quick, variants, use_fla):
             sb = jnp.dtype(sdt).itemsize
             nbytes = 2 * N * Hv * dk * dv * sb + N * (2 * Hk * dk + 2 * Hv * dv) * 2 + N * Hv * 8
             shape = f"N{N} Hv{Hv} state {jnp.dtype(sdt).name}"
-            cfgs = [None]
-            if variants and si == 0:
+            cfgs = [None] if DECODE_CFGS is None else DECODE_CFGS
+            if variants and si == 0 and DECODE_CFGS is None:
                 # bv 8 was the slowest at every warp count in run 3 (one warp is left
                 # out to keep the sweep short); the state width's default is the None entry
                 default = gdn_decode_config(dv, sdt)
@@ -474,14 +481,24 @@ def decode_bench(quick, variants, use_fla):
                                  for w in (2, 4, 8) if (b, w) != (default["bv"], default["warps"])]
             if best_dec.get(sdt) is not None:
                 cfgs = [best_dec[sdt]]
+            pool0 = (jax.random.normal(key, (N, Hv, dk, dv), jnp.float32) * 0.1).astype(sdt)
+            ref = gdn_decode(q, k, v, g, beta, pool0, slots, use_qk_l2norm=True,
+                             backend="reference")
             results = []
             for cfg in cfgs:
                 label = "ours pallas " + (json.dumps(cfg, separators=(",", ":")) if cfg else "default")
                 try:
-                    pool = [(jax.random.normal(key, (N, Hv, dk, dv), jnp.float32) * 0.1).astype(sdt)]
                     f = jax.jit(lambda p, *a, _cfg=cfg: gdn_decode(*a, p, slots, use_qk_l2norm=True,
                                                                    backend=BACKEND, config=_cfg),
                                 donate_argnums=0)
+                    # each config checked against the reference before it is timed
+                    o, p = f(pool0 + 0, q, k, v, g, beta)
+                    tol = 1e-4 if sdt == jnp.float32 else 1e-2
+                    ok_o = check(f"{shape} {label} o", oracle.rel_err(_f64(o), _f64(ref[0])), tol)
+                    ok_p = check(f"{shape} {label} pool", oracle.rel_err(_f64(p), _f64(ref[1])), tol)
+                    if not (ok_o and ok_p):
+                        continue
+                    pool = [pool0 + 0]
 
                     def call():
                         o, pool[0] = f(pool[0], q, k, v, g, beta)
@@ -489,7 +506,7 @@ def decode_bench(quick, variants, use_fla):
                     ms, spread = time_jax(call)
                     row("decode", shape, label, ms, nbytes=nbytes, extra=dict(spread=spread, cfg=cfg))
                     results.append((ms, cfg))
-                    if PROFILE and cfg is None:
+                    if PROFILE and (cfg is None or DECODE_CFGS is not None):
                         _decode_device(shape, label, call, pool)
                 except Exception as e:  # noqa: BLE001
                     log(f"  {label} FAILED: {repr(e)[:3000]}")
@@ -499,7 +516,7 @@ def decode_bench(quick, variants, use_fla):
                 RESULTS.setdefault("best_decode_cfg", {})[jnp.dtype(sdt).name] = best_dec[sdt]
                 log(f"  best decode config {jnp.dtype(sdt).name}: {best_dec[sdt]}")
             try:
-                pool = [(jax.random.normal(key, (N, Hv, dk, dv), jnp.float32) * 0.1).astype(sdt)]
+                pool = [pool0 + 0]
                 fr = jax.jit(lambda p, *a: gdn_decode(*a, p, slots, use_qk_l2norm=True,
                                                       backend="reference"), donate_argnums=0)
 
@@ -631,6 +648,10 @@ def main(argv=None):
     ap.add_argument("--variants", action="store_true")
     ap.add_argument("--prefill-configs", type=json.loads, default=None,
                     help='JSON list of prefill configs to check and time (null = default)')
+    ap.add_argument("--decode-configs", type=json.loads, default=None,
+                    help='JSON list of decode configs to check and time on every shape and '
+                         'state width (null = default; each a partial tuning entry, e.g. '
+                         '{"programs_per_sm": 2, "stages": 3})')
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--prefill-shapes", default=None,
                     help="comma-separated prefill shape names to time (1x8192, 1x32768, "
@@ -642,10 +663,11 @@ def main(argv=None):
     ap.add_argument("--backend", default="pallas", help="interpret: CPU dry run")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU dry run)")
     a = ap.parse_args(argv)
-    global BACKEND, TINY, PREFILL_CFGS, PROFILE
+    global BACKEND, TINY, PREFILL_CFGS, DECODE_CFGS, PROFILE
     BACKEND, TINY, PROFILE = a.backend, a.tiny, a.profile
     if a.prefill_configs is not None:
         PREFILL_CFGS = a.prefill_configs
+    DECODE_CFGS = a.decode_configs
     OUTDIR = a.out
     os.makedirs(OUTDIR, exist_ok=True)
     parts = a.parts.split(",")
