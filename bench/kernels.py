@@ -10,7 +10,9 @@ the paged-attention part (bench/attention_kernels.py, ``--parts attention``) sha
 Order: environment, ceilings (copy bandwidth, bf16 matmul, measured here),
 float64-oracle checks of every Pallas kernel on the GPU, then for each shape
 our kernel and FLA (``fla.ops.gated_delta_rule``) on the same inputs: a
-correctness comparison first, then the timings.  JAX timings: median over
+correctness comparison first, then the timings.  Prefill shapes of one sequence
+length are timed twice: packed with cu_seqlens (the serving path) and batched as FLA
+is called, without cu_seqlens.  JAX timings: median over
 reps of (n back-to-back calls / n), n chosen so a sample lasts >= 20 ms; FLA:
 ``triton.testing.do_bench`` median.  Results are printed as a table and
 written as JSON to --out (default $OUT or ./out).
@@ -392,6 +394,9 @@ def prefill_bench(quick, variants, use_fla, only=None):
         o_ours = None
         if ours_best is not None:
             o_ours, fin_ours = ours_best[2](cuj, q, k, v, g, beta)
+            if len(set(lens)) == 1:
+                _prefill_batched(shape, lens, (q, k, v, g, beta), ours_best, o_ours, T, Hv,
+                                 nbytes)
         if si == 0:
             try:
                 fr = jax.jit(lambda c, *a: gdn_prefill(*a, cu_seqlens=c, use_qk_l2norm=True,
@@ -444,6 +449,29 @@ def prefill_bench(quick, variants, use_fla, only=None):
                 RESULTS["errors"].append((shape + " FLA", traceback.format_exc()[-4000:]))
         del q, k, v, g, beta, o_ours
         save()
+
+
+def _prefill_batched(shape, lens, inputs, ours_best, o_packed, T, Hv, nbytes):
+    """Ours called as FLA is: [B, T] sequences of one length and no cu_seqlens, so the
+    chunk table is a constant that XLA folds; the packed call computes it from cu_seqlens
+    on every call, which a server has to (prefill run 9 counted its small fusions and
+    launch gaps). The same kernels on the same table: checked against the packed output,
+    then timed."""
+    B, Tl = len(lens), lens[0]
+    batched = [a.reshape((B, Tl) + a.shape[2:]) for a in inputs]
+    label = "ours, batched as FLA (no cu_seqlens)"
+    try:
+        f = jax.jit(lambda *a, _cfg=ours_best[1]: gdn_prefill(
+            *a, use_qk_l2norm=True, backend=BACKEND, config=_cfg))
+        o, _ = f(*batched)
+        if not check(f"{shape} {label} vs packed o",
+                     oracle.rel_err(_f64(o.reshape(o_packed.shape)), _f64(o_packed)), 1e-2):
+            return
+        ms, spread = time_jax(lambda: f(*batched))
+        row("prefill", shape, label, ms, T, Hv, nbytes, extra=dict(spread=spread))
+    except Exception as e:  # noqa: BLE001
+        log(f"  {label} FAILED: {repr(e)[:2000]}")
+        RESULTS["errors"].append((shape + " " + label, traceback.format_exc()[-4000:]))
 
 
 DECODE_SHAPES = [(256, 64), (64, 64), (256, 32), (1024, 32)]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 CHUNK = 64
@@ -54,10 +55,11 @@ def _check_shapes(q, k, v, g, beta):
 
 
 def normalize_cu_seqlens(B, T, cu_seqlens):
-    """Returns (cu int32 [N+1], N, packed) ; without cu_seqlens each batch row
-    is one sequence of length T (packed as B*T tokens)."""
+    """Returns (cu int32 [N+1], N); without cu_seqlens each batch row is one sequence
+    of length T (packed as B*T tokens), and cu is a literal constant, so that XLA can
+    fold what is computed from it (the chunk tables) at compile time."""
     if cu_seqlens is None:
-        return jnp.arange(B + 1, dtype=jnp.int32) * T, B
+        return jnp.asarray(np.arange(B + 1, dtype=np.int32) * T), B
     if B != 1:
         raise ValueError("with cu_seqlens the batch dimension must be 1")
     cu = jnp.asarray(cu_seqlens).astype(jnp.int32)
