@@ -264,7 +264,7 @@ def gdn_decode_reference(q, k, v, g, beta, state_pool, slots, *, scale=None,
     """One token per sequence; state_pool [P,Hv,dk,dv]; slots int32 [N];
     out-of-range slots are padding rows (no read, no write, output 0)."""
     N, Hk, dk = q.shape
-    Hv, dv = v.shape[1], v.shape[2]
+    Hv = v.shape[1]
     r = Hv // Hk
     P = state_pool.shape[0]
     scale = _default_scale(scale, dk)
