@@ -1,7 +1,7 @@
 """Paged attention (pallas_kernels.attention) on the GPU: float64-oracle checks at the
 model's head shapes, then timings against cuDNN's fused attention (prefill) and against
 the bytes a decode step must read; run as ``python -m bench.kernels --parts attention``,
-which owns the harness (ceilings, timing, checks, the results table) this module uses."""
+with the shared harness (bench/harness.py: ceilings, timing, checks, the results table)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench import kernels as harness
-from bench.kernels import RESULTS, _cfgs, _f64, check, log, row, save, time_jax
+from bench import harness
+from bench.harness import RESULTS, cfg_label, check, f64, log, row, save, time_jax
 from pallas_kernels import oracle
 
 ATTN_H, ATTN_KV, ATTN_HD, ATTN_BS = 16, 2, 256, 64  # Qwen3.5-35B-A3B attention, cache blocks of 64
@@ -81,11 +81,11 @@ def attention_checks():
             try:
                 c = _paged_case(seed, ctx_len, new if new is not None else [int(x > 0) for x in ctx_len],
                                 H, KV, hd, bs, dtype, pad=pad, decode=dec)
-                out = _f64(_attn_call(_attn_fn(harness.BACKEND, dec, cfg), c))
-                want = oracle.paged_attention_oracle(_f64(c["q"]), _f64(c["kv"]), 0, c["bt_np"],
+                out = f64(_attn_call(_attn_fn(harness.BACKEND, dec, cfg), c))
+                want = oracle.paged_attention_oracle(f64(c["q"]), f64(c["kv"]), 0, c["bt_np"],
                                                      c["seq_np"], c["pos_np"], hd ** -0.5,
                                                      c["valid"])
-                tag = f"attn {kind} {jnp.dtype(dtype).name} bs{bs} {_cfgs(cfg)}"
+                tag = f"attn {kind} {jnp.dtype(dtype).name} bs{bs} {cfg_label(cfg)}"
                 check(tag, oracle.rel_err(out[c["valid"]], want[c["valid"]]), tol)
                 check(tag + " pad==0", float(np.abs(out[~c["valid"]]).max(initial=0.0)), 0.0)
             except Exception as e:  # noqa: BLE001
@@ -130,7 +130,7 @@ def attention_bench(variants):
         cfgs = ATTN_PREFILL_VARIANTS if (variants and si == 0) else [best]
         timed = []
         for cfg in cfgs:
-            label = "ours " + _cfgs(cfg)
+            label = "ours " + cfg_label(cfg)
             try:
                 f = _attn_fn(harness.BACKEND, False, cfg)
                 ms, spread = time_jax(lambda: _attn_call(f, c))
@@ -145,7 +145,7 @@ def attention_bench(variants):
         if si == 0:
             best = cfg_ours
             RESULTS["best_attention_prefill_cfg"] = best
-            log(f"  best prefill config: {_cfgs(best)}")
+            log(f"  best prefill config: {cfg_label(best)}")
         o_ours = _attn_call(f_ours, c)
         # the same keys as dense [B, T, KV, hd] tensors, read back through the block table
         paged = c["kv"][c["bt"], 0]  # [B, M, 2, bs, KV, hd]
@@ -157,8 +157,8 @@ def attention_bench(variants):
                 fd = jax.jit(lambda q, k, v, _i=impl: jax.nn.dot_product_attention(
                     q, k, v, is_causal=True, implementation=None if harness.TINY else _i))
                 o_d = fd(qd, kd, vd)
-                check(f"{shape} ours vs {impl}", oracle.rel_err(_f64(o_ours).reshape(B, Tb, H, hd),
-                                                                 _f64(o_d)), 1e-2)
+                check(f"{shape} ours vs {impl}", oracle.rel_err(f64(o_ours).reshape(B, Tb, H, hd),
+                                                                 f64(o_d)), 1e-2)
                 ms, spread = time_jax(lambda: fd(qd, kd, vd), reps=10 if impl == "xla" else 30)
                 _arow(shape, f"jax.nn.dot_product_attention {impl}", ms, flops=flops,
                       extra=dict(spread=spread, ours_over_it=ms_ours / ms))
@@ -178,14 +178,14 @@ def attention_bench(variants):
         cfgs = ATTN_DECODE_VARIANTS if variants else [None]
         o_first = None
         for cfg in cfgs:
-            label = "ours " + _cfgs(cfg)
+            label = "ours " + cfg_label(cfg)
             try:
                 f = _attn_fn(harness.BACKEND, True, cfg)
                 o = _attn_call(f, c)
                 if o_first is None:
                     o_first = o
                 else:  # every variant computes the same function
-                    check(f"{shape} {label} vs default", oracle.rel_err(_f64(o), _f64(o_first)), 1e-2)
+                    check(f"{shape} {label} vs default", oracle.rel_err(f64(o), f64(o_first)), 1e-2)
                 ms, spread = time_jax(lambda: _attn_call(f, c))
                 _arow(shape, label, ms, nbytes=nbytes, extra=dict(spread=spread, cfg=cfg))
             except Exception as e:  # noqa: BLE001
@@ -196,7 +196,7 @@ def attention_bench(variants):
                 fr = _attn_fn("reference", True)
                 o_r = _attn_call(fr, c)
                 if o_first is not None:
-                    check(f"{shape} ours vs reference", oracle.rel_err(_f64(o_first), _f64(o_r)), 1e-2)
+                    check(f"{shape} ours vs reference", oracle.rel_err(f64(o_first), f64(o_r)), 1e-2)
                 ms, spread = time_jax(lambda: _attn_call(fr, c), reps=10)
                 _arow(shape, "reference (XLA gather)", ms, nbytes=nbytes, extra=dict(spread=spread))
             except Exception as e:  # noqa: BLE001

@@ -1,5 +1,6 @@
-"""Benchmark + on-GPU correctness for the GDN / conv1d kernels (issue 3), and the harness
-the paged-attention part (bench/attention_kernels.py, ``--parts attention``) shares.
+"""Benchmark + on-GPU correctness for the GDN / conv1d kernels (issue 3), and the command
+that also runs the paged-attention part (bench/attention_kernels.py, ``--parts
+attention``); both use bench/harness.py.
 
     python -m bench.kernels [--quick] [--parts check,prefill,decode,conv,attention]
                             [--variants] [--profile] [--prefill-configs JSON]
@@ -22,118 +23,24 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
 
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+from bench import harness  # first: it sets the allocator's environment before jax starts
+from bench.harness import (RESULTS, cfg_label, check, ceilings, f64, kernel_breakdown, log,
+                           row, save, summary, time_jax, time_torch)
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
+import jax
+import jax.numpy as jnp
 
-from pallas_kernels import oracle  # noqa: E402
-from pallas_kernels.conv1d import causal_conv1d_prefill, causal_conv1d_update  # noqa: E402
-from pallas_kernels.gdn import gdn_decode, gdn_prefill  # noqa: E402
-from pallas_kernels.gdn.pallas_triton import gdn_prefill_pallas  # noqa: E402
-from pallas_kernels.tuning import gdn_decode_config, gpu_arch  # noqa: E402
-
-FLOP_PER_TOKEN_HEAD = 180e3
-RESULTS: dict = {"rows": [], "checks": [], "errors": []}
-OUTDIR = None
-BACKEND = "pallas"  # --backend interpret: CPU dry run of this script
-TINY = False
-PROFILE = False  # --profile: device time (prefill: each swept variant; decode: default)
-
-
-def log(*a):
-    print(*a, flush=True)
-
-
-def save():
-    if OUTDIR:
-        with open(os.path.join(OUTDIR, "bench.json"), "w") as f:
-            json.dump(RESULTS, f, indent=1, default=str)
-
-
-def block(x):
-    jax.tree_util.tree_map(lambda a: a.block_until_ready() if hasattr(a, "block_until_ready") else a, x)
-
-
-def time_jax(call, reps=15, min_sample_s=20e-3):
-    """call() dispatches one run and returns its outputs. A sample of n calls lasts
-    >= 20 ms so the host's dispatch and the final sync, which the device waits
-    through, add under a few percent (with 2 ms samples they added ~0.3 ms to a 1 ms
-    prefill: bench/RESULTS.md, prefill run 6)."""
-    block(call())
-    t0 = time.perf_counter()
-    block(call())
-    one = time.perf_counter() - t0
-    n = max(1, min(2000, int(min_sample_s / max(one, 1e-6))))
-    samples = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        out = None
-        for _ in range(n):
-            out = call()
-        block(out)
-        samples.append((time.perf_counter() - t0) / n)
-    return statistics.median(samples) * 1e3, (min(samples) * 1e3, max(samples) * 1e3)
-
-
-def time_torch(fn):
-    """Median of do_bench's second pass: the first shapes' first passes read 1.4-2x
-    slow in earlier runs (bench/RESULTS.md, run 2)."""
-    import triton
-    triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-    return triton.testing.do_bench(fn, warmup=25, rep=300, return_mode="median")
-
-
-def kernel_breakdown(call, label, n=10):
-    """Per-kernel device time of one call (the mean of n traced calls): tells the intra
-    launch from its XLA prologue and the sequential launch."""
-    from bench.profile import difference, kernel_times, table
-
-    block(call())
-    res = kernel_times(lambda: block([call() for _ in range(n)]))
-    res = difference(res, {"wall_s": 0.0, "busy_s": 0.0, "kernels": {}}, n)
-    log(f"  kernels of {label}, per call:")
-    log(table(res, top=12))
-    return res["busy_s"] * 1e3
-
-
-# ----------------------------------------------------------------------------
-def ceilings(quick):
-    n = (1 << 20) if TINY else (1 << 30)  # 1 Gi bf16 elements = 2 GiB
-    a = jnp.ones((n,), jnp.bfloat16) * jnp.bfloat16(1.5)
-    f = jax.jit(lambda x: x * 1)
-    ms, _ = time_jax(lambda: f(a), reps=10)
-    bw = 2 * 2 * n / (ms * 1e-3)
-    del a
-    log(f"copy bandwidth (jit x*1, 2 GiB bf16, read+write): {bw / 1e12:.2f} TB/s ({ms:.3f} ms)")
-    RESULTS["copy_bw_Bps"] = bw
-    try:
-        import torch
-        t = torch.empty(n, dtype=torch.bfloat16, device="cuda")
-        u = torch.empty_like(t)
-        tms = time_torch(lambda: u.copy_(t))
-        RESULTS["torch_copy_bw_Bps"] = 2 * 2 * n / (tms * 1e-3)
-        log(f"copy bandwidth (torch copy_): {RESULTS['torch_copy_bw_Bps'] / 1e12:.2f} TB/s")
-        del t, u
-        torch.cuda.empty_cache()
-    except Exception as e:  # noqa: BLE001
-        log("torch copy failed:", e)
-    m = 256 if TINY else 8192
-    x = jax.random.normal(jax.random.key(0), (m, m), jnp.bfloat16)
-    y = jax.random.normal(jax.random.key(1), (m, m), jnp.bfloat16)
-    mm = jax.jit(lambda p, q: p @ q)
-    ms, _ = time_jax(lambda: mm(x, y), reps=10)
-    RESULTS["bf16_matmul_flops"] = 2 * m ** 3 / (ms * 1e-3)
-    log(f"bf16 matmul 8192^3 (XLA): {RESULTS['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s")
-    return bw
-
+from pallas_kernels import oracle
+from pallas_kernels.conv1d import causal_conv1d_prefill, causal_conv1d_update
+from pallas_kernels.gdn import gdn_decode, gdn_prefill
+from pallas_kernels.gdn.pallas_triton import gdn_prefill_pallas
+from pallas_kernels.tuning import gdn_decode_config, gpu_arch
 
 # ----------------------------------------------------------------------------
 def _rand_gdn(key, T, Hk, Hv, dk, dv, dtype, shared=0.0):
@@ -150,17 +57,6 @@ def _rand_gdn(key, T, Hk, Hv, dk, dv, dtype, shared=0.0):
     return q, k, v, g, beta
 
 
-def _f64(a):
-    return np.asarray(jnp.asarray(a, jnp.float32), np.float64)
-
-
-def check(name, err, tol):
-    ok = bool(np.isfinite(err) and err <= tol)
-    RESULTS["checks"].append(dict(name=name, rel_err=err, tol=tol, ok=ok))
-    log(f"  check {name:58s} rel_err {err:.2e} (tol {tol:.0e}) {'ok' if ok else 'FAIL'}")
-    return ok
-
-
 # prefill configs checked on the GPU, and (with --variants) timed at the first shape;
 # --prefill-configs replaces the list
 _TRITON = dict(main="triton")
@@ -168,10 +64,6 @@ PREFILL_CFGS = [None, dict(_TRITON, inverse="block32", mode="M"),
                 dict(_TRITON, inverse="block32", mode="wu"),
                 dict(_TRITON, inverse="subst", mode="M"), dict(_TRITON, inverse="doubling", mode="M"),
                 dict(main="mgpu")]
-
-
-def _cfgs(cfg):
-    return json.dumps(cfg, separators=(",", ":")) if cfg else "default"
 
 
 def small_checks():
@@ -184,7 +76,7 @@ def small_checks():
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     for dtype, tol in ((jnp.float32, 1e-4), (jnp.bfloat16, 1e-2)):
       for pcfg in PREFILL_CFGS:
-        for Hk, Hv, dk, dv, shared in (((2, 4, 32, 32, 0.0),) if TINY else (
+        for Hk, Hv, dk, dv, shared in (((2, 4, 32, 32, 0.0),) if harness.TINY else (
                 (2, 8, 128, 128, 0.0), (4, 4, 64, 128, 0.0), (2, 8, 128, 128, 3.0))):
             key, k1, k2 = jax.random.split(key, 3)
             q, k, v, g, beta = _rand_gdn(k1, T, Hk, Hv, dk, dv, dtype, shared)
@@ -194,22 +86,22 @@ def small_checks():
             try:
                 o, fin = jax.jit(lambda c, *a: gdn_prefill(
                     *a, initial_state=init, cu_seqlens=c, use_qk_l2norm=True,
-                    backend=BACKEND, config=pcfg))(jnp.asarray(cu), q, k, v, g, beta)
+                    backend=harness.BACKEND, config=pcfg))(jnp.asarray(cu), q, k, v, g, beta)
                 o_ref, f_ref = oracle.gdn_prefill_oracle(
-                    _f64(q[0]), _f64(k[0]), _f64(v[0]), _f64(g[0]), _f64(beta[0]), cu,
-                    np.zeros((len(lens), Hv, dk, dv)) if init is None else _f64(init),
+                    f64(q[0]), f64(k[0]), f64(v[0]), f64(g[0]), f64(beta[0]), cu,
+                    np.zeros((len(lens), Hv, dk, dv)) if init is None else f64(init),
                     dk ** -0.5, True)
                 tag = (f"prefill {jnp.dtype(dtype).name} Hk{Hk} Hv{Hv} dk{dk}"
-                       f"{' shared-key ' + str(shared) if shared else ''} {_cfgs(pcfg)}")
-                check(tag + " o", oracle.rel_err(_f64(o[0]), o_ref), tol)
-                check(tag + " state", oracle.rel_err(_f64(fin), f_ref), tol)
-                check(tag + " pad==0", float(np.abs(_f64(o[0, cu[-1]:])).max()), 0.0)
+                       f"{' shared-key ' + str(shared) if shared else ''} {cfg_label(pcfg)}")
+                check(tag + " o", oracle.rel_err(f64(o[0]), o_ref), tol)
+                check(tag + " state", oracle.rel_err(f64(fin), f_ref), tol)
+                check(tag + " pad==0", float(np.abs(f64(o[0, cu[-1]:])).max()), 0.0)
             except Exception as e:  # noqa: BLE001
                 log("  prefill check FAILED to run:", repr(e)[:2000])
                 RESULTS["errors"].append(("prefill_check", repr(e)[:4000]))
     # decode
     for sdt, tol in ((jnp.float32, 1e-4), (jnp.bfloat16, 1e-2)):
-        if TINY:
+        if harness.TINY:
             Hk, Hv, dk, dv, P = 2, 4, 32, 32, 10
             slots = np.array([3, -1, 0, 12, 9, 5], np.int32)
         else:
@@ -223,24 +115,24 @@ def small_checks():
         key, k1, k2 = jax.random.split(key, 3)
         q, k, v, g, beta = (a[0] for a in _rand_gdn(k1, N, Hk, Hv, dk, dv, jnp.float32))
         pool = (jax.random.normal(k2, (P, Hv, dk, dv), jnp.float32) * 0.3).astype(sdt)
-        before = _f64(pool)
+        before = f64(pool)
         try:
             o, newp = jax.jit(lambda p, s, *a: gdn_decode(*a, p, s, use_qk_l2norm=True,
-                                                          backend=BACKEND),
+                                                          backend=harness.BACKEND),
                               donate_argnums=0)(pool, jnp.asarray(slots), q, k, v, g, beta)
-            o_ref, p_ref = oracle.gdn_decode_oracle(_f64(q), _f64(k), _f64(v), _f64(g),
-                                                    _f64(beta), before, slots, dk ** -0.5, True)
+            o_ref, p_ref = oracle.gdn_decode_oracle(f64(q), f64(k), f64(v), f64(g),
+                                                    f64(beta), before, slots, dk ** -0.5, True)
             tag = f"decode state {jnp.dtype(sdt).name}"
-            check(tag + " o", oracle.rel_err(_f64(o), o_ref), tol)
-            check(tag + " pool", oracle.rel_err(_f64(newp), p_ref), tol)
+            check(tag + " o", oracle.rel_err(f64(o), o_ref), tol)
+            check(tag + " pool", oracle.rel_err(f64(newp), p_ref), tol)
             untouched = [i for i in range(P) if i not in set(slots.tolist())]
-            check(tag + " untouched slots", float(np.abs(_f64(newp)[untouched] - before[untouched]).max()), 0.0)
+            check(tag + " untouched slots", float(np.abs(f64(newp)[untouched] - before[untouched]).max()), 0.0)
         except Exception as e:  # noqa: BLE001
             log("  decode check FAILED to run:", repr(e)[:2000])
             RESULTS["errors"].append(("decode_check", repr(e)[:4000]))
     # conv
     for dtype, tol in ((jnp.float32, 1e-4), (jnp.bfloat16, 1e-2)):
-        C, K = (64, 4) if TINY else (8192 + 64, 4)
+        C, K = (64, 4) if harness.TINY else (8192 + 64, 4)
         lens = [2, 0, 1, 300, 3, 64]
         T = sum(lens) + 5
         cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
@@ -249,27 +141,27 @@ def small_checks():
         init = jnp.asarray(rng.standard_normal((len(lens), K - 1, C)), dtype)
         try:
             y, fin = jax.jit(lambda c, a, b: causal_conv1d_prefill(
-                a, b, cu_seqlens=c, initial_state=init, backend=BACKEND))(jnp.asarray(cu), x, w)
-            y_ref, f_ref = oracle.conv1d_prefill_oracle(_f64(x), _f64(w), cu, _f64(init), "silu")
+                a, b, cu_seqlens=c, initial_state=init, backend=harness.BACKEND))(jnp.asarray(cu), x, w)
+            y_ref, f_ref = oracle.conv1d_prefill_oracle(f64(x), f64(w), cu, f64(init), "silu")
             tag = f"conv1d prefill {jnp.dtype(dtype).name}"
-            check(tag + " y", oracle.rel_err(_f64(y), y_ref), tol)
-            check(tag + " state", oracle.rel_err(_f64(fin), f_ref), 0.0 if dtype == jnp.float32 else 1e-7)
+            check(tag + " y", oracle.rel_err(f64(y), y_ref), tol)
+            check(tag + " state", oracle.rel_err(f64(fin), f_ref), 0.0 if dtype == jnp.float32 else 1e-7)
             P = 7
             slots = np.array([4, -1, 0, 7, 2], np.int32)
             pool = jnp.asarray(rng.standard_normal((P, K - 1, C)), dtype)
-            before = _f64(pool)
+            before = f64(pool)
             xu = jnp.asarray(rng.standard_normal((len(slots), C)), dtype)
-            yu, newp = jax.jit(lambda p, s, a, b: causal_conv1d_update(a, b, p, s, backend=BACKEND),
+            yu, newp = jax.jit(lambda p, s, a, b: causal_conv1d_update(a, b, p, s, backend=harness.BACKEND),
                                donate_argnums=0)(pool, jnp.asarray(slots), xu, w)
             y_ref = np.zeros((len(slots), C))
             p_ref = before.copy()
             for n, s in enumerate(slots):
                 if 0 <= s < P:
-                    win = np.concatenate([before[s], _f64(xu)[n][None]], 0)
-                    y_ref[n] = oracle._act((win * _f64(w).T).sum(0), "silu")
+                    win = np.concatenate([before[s], f64(xu)[n][None]], 0)
+                    y_ref[n] = oracle._act((win * f64(w).T).sum(0), "silu")
                     p_ref[s] = win[1:]
-            check(f"conv1d update {jnp.dtype(dtype).name} y", oracle.rel_err(_f64(yu), y_ref), tol)
-            check(f"conv1d update {jnp.dtype(dtype).name} pool", oracle.rel_err(_f64(newp), p_ref), 0.0)
+            check(f"conv1d update {jnp.dtype(dtype).name} y", oracle.rel_err(f64(yu), y_ref), tol)
+            check(f"conv1d update {jnp.dtype(dtype).name} pool", oracle.rel_err(f64(newp), p_ref), 0.0)
         except Exception as e:  # noqa: BLE001
             log("  conv check FAILED to run:", repr(e)[:2000])
             RESULTS["errors"].append(("conv_check", repr(e)[:4000]))
@@ -291,33 +183,6 @@ def _fla():
 def _t(x):
     import torch
     return torch.from_dlpack(x)
-
-
-def row(kind, shape, impl, ms, tokens=None, heads=None, nbytes=None, ratio=None, extra=None):
-    r = dict(kind=kind, shape=shape, impl=impl, ms=ms)
-    if tokens and heads:
-        r["ns_tok_head"] = ms * 1e6 / (tokens * heads)
-        r["tflops"] = FLOP_PER_TOKEN_HEAD * tokens * heads / (ms * 1e-3) / 1e12
-    if nbytes:
-        r["bytes"] = nbytes
-        r["GBps"] = nbytes / (ms * 1e-3) / 1e9
-        if RESULTS.get("copy_bw_Bps"):
-            r["frac_copy_bw"] = nbytes / (ms * 1e-3) / RESULTS["copy_bw_Bps"]
-    if ratio is not None:
-        r["fla_over_ours"] = ratio
-    if extra:
-        r.update(extra)
-    RESULTS["rows"].append(r)
-    s = f"{kind:8s} {shape:28s} {impl:28s} {ms:9.4f} ms"
-    if "ns_tok_head" in r:
-        s += f"  {r['ns_tok_head']:6.3f} ns/tok/head  {r['tflops']:6.1f} TFLOP/s"
-    if nbytes:
-        s += f"  {r['GBps']:7.0f} GB/s ({r.get('frac_copy_bw', 0) * 100:4.0f}% copy)"
-    if ratio is not None:
-        s += f"  FLA/ours {ratio:5.2f}x"
-    log(s)
-    save()
-    return r
 
 
 PREFILL_SHAPES = [
@@ -346,7 +211,7 @@ def prefill_bench(quick, variants, use_fla, only=None):
     if only:
         shapes = [sh for sh in shapes if sh[0] in only]
     dk = dv = 128
-    if TINY:
+    if harness.TINY:
         shapes = [("tiny", [100, 0, 30], 2, 4), ("tiny", [64, 64], 2, 2)]
         dk = dv = 32
     best_cfg = None
@@ -368,7 +233,7 @@ def prefill_bench(quick, variants, use_fla, only=None):
             label = "ours pallas " + (json.dumps(cfg, separators=(",", ":")) if cfg else "default")
             try:
                 f = jax.jit(lambda c, *a, _cfg=cfg: gdn_prefill(
-                    *a, cu_seqlens=c, use_qk_l2norm=True, backend=BACKEND, config=_cfg))
+                    *a, cu_seqlens=c, use_qk_l2norm=True, backend=harness.BACKEND, config=_cfg))
                 ms, spread = time_jax(lambda: f(cuj, q, k, v, g, beta))
                 row("prefill", shape, label, ms, T, Hv, nbytes, extra=dict(spread=spread, cfg=cfg))
                 timed_row = RESULTS["rows"][-1]
@@ -377,10 +242,10 @@ def prefill_bench(quick, variants, use_fla, only=None):
                 if sweep:
                     fi = jax.jit(lambda c, *a, _cfg=cfg: gdn_prefill_pallas(
                         *a, cu_seqlens=c, use_qk_l2norm=True, _only_intra=True,
-                        interpret=(BACKEND == "interpret"), config=_cfg))
+                        interpret=(harness.BACKEND == "interpret"), config=_cfg))
                     ms_i, _ = time_jax(lambda: fi(cuj, q, k, v, g, beta))
-                    row("prefill", shape, "intra launch only " + _cfgs(cfg), ms_i)
-                    if PROFILE:
+                    row("prefill", shape, "intra launch only " + cfg_label(cfg), ms_i)
+                    if harness.PROFILE:
                         timed_row["device_ms"] = kernel_breakdown(
                             lambda: f(cuj, q, k, v, g, beta), label)
                         save()
@@ -404,9 +269,9 @@ def prefill_bench(quick, variants, use_fla, only=None):
                 o_r, f_r = fr(cuj, q, k, v, g, beta)
                 if o_ours is not None:
                     check(f"{shape} ours vs JAX chunked reference o",
-                          oracle.rel_err(_f64(o_ours), _f64(o_r)), 1e-2)
+                          oracle.rel_err(f64(o_ours), f64(o_r)), 1e-2)
                     check(f"{shape} ours vs JAX chunked reference state",
-                          oracle.rel_err(_f64(fin_ours), _f64(f_r)), 1e-2)
+                          oracle.rel_err(f64(fin_ours), f64(f_r)), 1e-2)
                 ms, _ = time_jax(lambda: fr(cuj, q, k, v, g, beta), reps=5)
                 row("prefill", shape, "JAX chunked reference (XLA)", ms, T, Hv, nbytes)
             except Exception as e:  # noqa: BLE001
@@ -425,12 +290,12 @@ def prefill_bench(quick, variants, use_fla, only=None):
                 torch.cuda.synchronize()
                 if o_ours is not None:
                     o_f64 = o_f.float().reshape(1, T, Hv, dv).cpu().numpy().astype(np.float64)
-                    check(f"{shape} ours vs FLA o", oracle.rel_err(_f64(o_ours), o_f64), 2e-2)
+                    check(f"{shape} ours vs FLA o", oracle.rel_err(f64(o_ours), o_f64), 2e-2)
                     check(f"{shape} ours vs FLA state",
-                          oracle.rel_err(_f64(fin_ours), f_f.float().cpu().numpy().astype(np.float64)), 2e-2)
+                          oracle.rel_err(f64(fin_ours), f_f.float().cpu().numpy().astype(np.float64)), 2e-2)
                 ms_f = time_torch(fcall)
                 row("prefill", shape, "FLA chunk_gated_delta_rule", ms_f, T, Hv, nbytes)
-                if PROFILE and sweep:
+                if harness.PROFILE and sweep:
                     RESULTS["rows"][-1]["device_ms"] = kernel_breakdown(
                         lambda: (fcall(), torch.cuda.synchronize()), "FLA")
                     save()
@@ -453,19 +318,20 @@ def prefill_bench(quick, variants, use_fla, only=None):
 
 def _prefill_batched(shape, lens, inputs, ours_best, o_packed, T, Hv, nbytes):
     """Ours called as FLA is: [B, T] sequences of one length and no cu_seqlens, so the
-    chunk table is a constant that XLA folds; the packed call computes it from cu_seqlens
-    on every call, which a server has to (prefill run 9 counted its small fusions and
-    launch gaps). The same kernels on the same table: checked against the packed output,
-    then timed."""
+    chunk table derives from a constant that XLA can fold in part (compiled for the
+    CPU, the block table is 4 fusions that read no input, against 5 from a traced
+    cu_seqlens); the packed call computes it from cu_seqlens on every call, which a
+    server has to (prefill run 9 counted its small fusions and launch gaps). The same kernels on the same table: checked against the
+    packed output, then timed."""
     B, Tl = len(lens), lens[0]
     batched = [a.reshape((B, Tl) + a.shape[2:]) for a in inputs]
     label = "ours, batched as FLA (no cu_seqlens)"
     try:
         f = jax.jit(lambda *a, _cfg=ours_best[1]: gdn_prefill(
-            *a, use_qk_l2norm=True, backend=BACKEND, config=_cfg))
+            *a, use_qk_l2norm=True, backend=harness.BACKEND, config=_cfg))
         o, _ = f(*batched)
         if not check(f"{shape} {label} vs packed o",
-                     oracle.rel_err(_f64(o.reshape(o_packed.shape)), _f64(o_packed)), 1e-2):
+                     oracle.rel_err(f64(o.reshape(o_packed.shape)), f64(o_packed)), 1e-2):
             return
         ms, spread = time_jax(lambda: f(*batched))
         row("prefill", shape, label, ms, T, Hv, nbytes, extra=dict(spread=spread))
@@ -490,7 +356,7 @@ def decode_bench(quick, variants, use_fla):
     Hk = 16
     shapes = DECODE_SHAPES[1:2] if quick else DECODE_SHAPES
     best_dec = {}
-    if TINY:
+    if harness.TINY:
         Hk, dk, dv, shapes = 2, 32, 32, [(4, 4), (8, 2)]
     for si, (N, Hv) in enumerate(shapes):
         key = jax.random.key(100 + si)
@@ -517,13 +383,13 @@ def decode_bench(quick, variants, use_fla):
                 label = "ours pallas " + (json.dumps(cfg, separators=(",", ":")) if cfg else "default")
                 try:
                     f = jax.jit(lambda p, *a, _cfg=cfg: gdn_decode(*a, p, slots, use_qk_l2norm=True,
-                                                                   backend=BACKEND, config=_cfg),
+                                                                   backend=harness.BACKEND, config=_cfg),
                                 donate_argnums=0)
                     # each config checked against the reference before it is timed
                     o, p = f(pool0 + 0, q, k, v, g, beta)
                     tol = 1e-4 if sdt == jnp.float32 else 1e-2
-                    ok_o = check(f"{shape} {label} o", oracle.rel_err(_f64(o), _f64(ref[0])), tol)
-                    ok_p = check(f"{shape} {label} pool", oracle.rel_err(_f64(p), _f64(ref[1])), tol)
+                    ok_o = check(f"{shape} {label} o", oracle.rel_err(f64(o), f64(ref[0])), tol)
+                    ok_p = check(f"{shape} {label} pool", oracle.rel_err(f64(p), f64(ref[1])), tol)
                     if not (ok_o and ok_p):
                         continue
                     pool = [pool0 + 0]
@@ -534,7 +400,7 @@ def decode_bench(quick, variants, use_fla):
                     ms, spread = time_jax(call)
                     row("decode", shape, label, ms, nbytes=nbytes, extra=dict(spread=spread, cfg=cfg))
                     results.append((ms, cfg))
-                    if PROFILE and (cfg is None or DECODE_CFGS is not None):
+                    if harness.PROFILE and (cfg is None or DECODE_CFGS is not None):
                         _decode_device(shape, label, call, pool)
                 except Exception as e:  # noqa: BLE001
                     log(f"  {label} FAILED: {repr(e)[:3000]}")
@@ -567,12 +433,12 @@ def decode_bench(quick, variants, use_fla):
                     o_f, s_f = fcall()
                     pool_j = jnp.asarray(st.cpu().numpy())
                     o_o, p_o = gdn_decode(q, k, v, g, beta, pool_j, jnp.arange(N, dtype=jnp.int32),
-                                          use_qk_l2norm=True, backend=BACKEND,
+                                          use_qk_l2norm=True, backend=harness.BACKEND,
                                           config=best_dec.get(sdt) or None)
                     check(f"decode N{N} Hv{Hv} ours vs FLA o",
-                          oracle.rel_err(_f64(o_o), o_f[:, 0].float().cpu().numpy()), 2e-2)
+                          oracle.rel_err(f64(o_o), o_f[:, 0].float().cpu().numpy()), 2e-2)
                     check(f"decode N{N} Hv{Hv} ours vs FLA state",
-                          oracle.rel_err(_f64(p_o), s_f.float().cpu().numpy()), 1e-3)
+                          oracle.rel_err(f64(p_o), s_f.float().cpu().numpy()), 1e-3)
                     ms_f = time_torch(fcall)
                     row("decode", shape, "FLA fused_recurrent (out of place)", ms_f, nbytes=nbytes)
                 except Exception as e:  # noqa: BLE001
@@ -601,9 +467,9 @@ def _decode_device(shape, label, call, pool):
 
 def conv_bench(quick):
     log("== causal conv1d (K=4, silu, bf16) ==")
-    C, K = (64, 4) if TINY else (8192, 4)
+    C, K = (64, 4) if harness.TINY else (8192, 4)
     rng = np.random.default_rng(0)
-    for lens in (([50], [5] * 3) if TINY else ([8192], [512] * 16)):
+    for lens in (([50], [5] * 3) if harness.TINY else ([8192], [512] * 16)):
         T = sum(lens)
         cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
         x = jax.random.normal(jax.random.key(1), (T, C), jnp.float32).astype(jnp.bfloat16)
@@ -611,7 +477,7 @@ def conv_bench(quick):
         init = jax.random.normal(jax.random.key(2), (len(lens), K - 1, C), jnp.float32).astype(jnp.bfloat16)
         nbytes = 2 * T * C * 2
         shape = f"T{T} N{len(lens)} C{C}"
-        for be in (BACKEND, "reference"):
+        for be in (harness.BACKEND, "reference"):
             try:
                 f = jax.jit(lambda c, a, b, _be=be: causal_conv1d_prefill(
                     a, b, cu_seqlens=c, initial_state=init, backend=_be))
@@ -620,12 +486,12 @@ def conv_bench(quick):
             except Exception as e:  # noqa: BLE001
                 log(f"  conv prefill {be} FAILED: {repr(e)[:2000]}")
                 RESULTS["errors"].append((shape + be, traceback.format_exc()[-4000:]))
-    for N in ((4,) if TINY else (256, 1024)):
+    for N in ((4,) if harness.TINY else (256, 1024)):
         x = jax.random.normal(jax.random.key(3), (N, C), jnp.float32).astype(jnp.bfloat16)
         w = jnp.asarray(rng.standard_normal((C, K)), jnp.bfloat16)
         slots = jnp.asarray(np.random.default_rng(1).permutation(N).astype(np.int32))
         nbytes = N * C * (2 * (K - 1) * 2 + 2 * 2)
-        for be in (BACKEND, "reference"):
+        for be in (harness.BACKEND, "reference"):
             try:
                 pool = [jax.random.normal(jax.random.key(4), (N, K - 1, C), jnp.float32).astype(jnp.bfloat16)]
                 f = jax.jit(lambda p, a, b, _be=be: causal_conv1d_update(a, b, p, slots, backend=_be),
@@ -641,35 +507,7 @@ def conv_bench(quick):
                 RESULTS["errors"].append((f"update{N}{be}", traceback.format_exc()[-4000:]))
 
 
-def summary():
-    log("\n== summary ==")
-    log(f"copy bw {RESULTS.get('copy_bw_Bps', 0) / 1e12:.2f} TB/s (jax), "
-        f"{RESULTS.get('torch_copy_bw_Bps', 0) / 1e12:.2f} TB/s (torch); "
-        f"bf16 matmul {RESULTS.get('bf16_matmul_flops', 0) / 1e12:.0f} TFLOP/s")
-    bad = [c for c in RESULTS["checks"] if not c["ok"]]
-    log(f"checks: {len(RESULTS['checks']) - len(bad)} ok, {len(bad)} failed"
-        + ("".join(f"\n  FAIL {c['name']} {c['rel_err']:.2e}" for c in bad)))
-    for r in RESULTS["rows"]:
-        s = f"{r['kind']:7s} {r['shape']:26s} {r['impl'][:44]:44s} {r['ms']:8.4f} ms"
-        if "ns_tok_head" in r:
-            s += f" {r['ns_tok_head']:6.3f} ns/t/h {r['tflops']:5.0f} TF/s"
-        if "GBps" in r:
-            s += f" {r['GBps']:6.0f} GB/s {r.get('frac_copy_bw', 0) * 100:3.0f}%"
-        if "device_ms" in r:
-            s += f" (device busy {r['device_ms']:.4f} ms)"
-        if "state_over_copy_device" in r:
-            s += f" state/copy device {r['state_over_copy_device'] * 100:.0f}%"
-        if "fla_over_ours" in r:
-            s += f" FLA/ours {r['fla_over_ours']:.2f}x"
-        if "fla_over_ours_device" in r:
-            s += f" (device {r['fla_over_ours_device']:.2f}x)"
-        log(s)
-    if RESULTS["errors"]:
-        log(f"{len(RESULTS['errors'])} errors (see bench.json)")
-
-
 def main(argv=None):
-    global OUTDIR
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--parts", default="check,prefill,decode,conv")
@@ -691,13 +529,13 @@ def main(argv=None):
     ap.add_argument("--backend", default="pallas", help="interpret: CPU dry run")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU dry run)")
     a = ap.parse_args(argv)
-    global BACKEND, TINY, PREFILL_CFGS, DECODE_CFGS, PROFILE
-    BACKEND, TINY, PROFILE = a.backend, a.tiny, a.profile
+    global PREFILL_CFGS, DECODE_CFGS
+    harness.BACKEND, harness.TINY, harness.PROFILE = a.backend, a.tiny, a.profile
     if a.prefill_configs is not None:
         PREFILL_CFGS = a.prefill_configs
     DECODE_CFGS = a.decode_configs
-    OUTDIR = a.out
-    os.makedirs(OUTDIR, exist_ok=True)
+    harness.OUTDIR = a.out
+    os.makedirs(a.out, exist_ok=True)
     parts = a.parts.split(",")
     log(f"jax {jax.__version__}, devices {jax.devices()}, arch {gpu_arch()}, "
         f"date {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime())} UTC")
@@ -729,8 +567,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    # Run as the imported module, not as __main__, so that bench/attention_kernels.py
-    # (which imports bench.kernels) shares this run's settings and results.
-    from bench import kernels
-
-    kernels.main()
+    main()
