@@ -77,7 +77,8 @@ def _columns(items: list, regions: Mapping[str, Region], side: str) -> _Columns:
         _explain(items, regions, side)
     if items:
         # ndim: an offset or length given as a list would otherwise be flattened in
-        if offset.dtype.kind != "i" or length.dtype.kind != "i" or offset.ndim != 1 or length.ndim != 1:
+        if (offset.dtype.kind != "i" or length.dtype.kind != "i"
+                or offset.ndim != 1 or length.ndim != 1):
             _explain(items, regions, side)
         sizes = np.array([regions[n].nbytes for n in names], np.int64)
         # one test for every bound (each NumPy call costs microseconds, and planning is

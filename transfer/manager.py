@@ -83,8 +83,7 @@ from transfer.agent import Agent, PeerDisconnected
 from transfer.drain import Drains
 from transfer.handshake import (Address, CompatibilityError, HandshakeError, HandshakeServer, Hello,
                                 exchange, ping)
-from transfer import lease as lease_ids
-from transfer.lease import Leases
+from transfer.lease import ID as LEASE_ID, Leases
 
 log = logging.getLogger(__name__)
 
@@ -643,7 +642,7 @@ def _parse(params) -> tuple[str, str, list, float, Address | None]:
             raise TransferParamsError(f"transfer params: {key!r} has type {type(params[key]).__name__}")
     if params["ttl"] <= 0:
         raise TransferParamsError(f"transfer params: 'ttl' must be positive, got {params['ttl']}")
-    if not lease_ids.ID.fullmatch(params["lease"]):
+    if not LEASE_ID.fullmatch(params["lease"]):
         # the lease travels in space-separated notifications: one the source cannot
         # parse back would leave the pull to time out
         raise TransferParamsError(f"transfer params: 'lease' must be <epoch>.<n>, got "

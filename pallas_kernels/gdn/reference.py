@@ -57,7 +57,7 @@ def _check_shapes(q, k, v, g, beta):
 def normalize_cu_seqlens(B, T, cu_seqlens):
     """Returns (cu int32 [N+1], N); without cu_seqlens each batch row is one sequence
     of length T (packed as B*T tokens), and cu is a literal constant, so that XLA can
-    fold what is computed from it (the chunk tables) at compile time."""
+    fold some of what is computed from it (the chunk tables) at compile time."""
     if cu_seqlens is None:
         return jnp.asarray(np.arange(B + 1, dtype=np.int32) * T), B
     if B != 1:
