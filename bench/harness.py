@@ -69,16 +69,27 @@ def time_torch(fn):
     return triton.testing.do_bench(fn, warmup=25, rep=300, return_mode="median")
 
 
+def time_torch_graph(fn):
+    """Median of do_bench_cudagraph: fn's calls replayed from a CUDA graph, so without
+    the host's Python between them. FLA's wall time under do_bench swings with the
+    host (0.880 ms at 1x8192 Hk16 Hv64 in runs 8-9, 1.54 ms in run 11, device time
+    0.872 in all three); the graph gives its best wall time on any host."""
+    import triton
+    return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+
+
 def kernel_breakdown(call, label, n=10):
     """Per-kernel device time of one call (the mean of n traced calls): tells the intra
     launch from its XLA prologue and the sequential launch."""
-    from bench.profile import difference, kernel_times, table
+    from bench.profile import difference, kernel_times, last_call, table
 
     block(call())
     res = kernel_times(lambda: block([call() for _ in range(n)]))
+    events = res["events"]
     res = difference(res, {"wall_s": 0.0, "busy_s": 0.0, "kernels": {}}, n)
     log(f"  kernels of {label}, per call:")
     log(table(res, top=12))
+    log(f"  the last call's kernels in order:\n{last_call(events, n)}")
     return res["busy_s"] * 1e3
 
 

@@ -29,7 +29,7 @@ import traceback
 
 from bench import harness  # first: it sets the allocator's environment before jax starts
 from bench.harness import (RESULTS, cfg_label, check, ceilings, f64, kernel_breakdown, log,
-                           row, save, summary, time_jax, time_torch)
+                           row, save, summary, time_jax, time_torch, time_torch_graph)
 
 import numpy as np
 
@@ -256,12 +256,12 @@ def prefill_bench(quick, variants, use_fla, only=None):
             best_cfg = ours_best[1]
             RESULTS["best_prefill_cfg"] = best_cfg
             log(f"  best prefill config: {best_cfg}")
-        o_ours = None
+        o_ours = batched_row = None
         if ours_best is not None:
             o_ours, fin_ours = ours_best[2](cuj, q, k, v, g, beta)
             if len(set(lens)) == 1:
-                _prefill_batched(shape, lens, (q, k, v, g, beta), ours_best, o_ours, T, Hv,
-                                 nbytes)
+                batched_row = _prefill_batched(shape, lens, (q, k, v, g, beta), ours_best,
+                                               (o_ours, fin_ours), T, Hv, nbytes)
         if si == 0:
             try:
                 fr = jax.jit(lambda c, *a: gdn_prefill(*a, cu_seqlens=c, use_qk_l2norm=True,
@@ -293,6 +293,15 @@ def prefill_bench(quick, variants, use_fla, only=None):
                     check(f"{shape} ours vs FLA o", oracle.rel_err(f64(o_ours), o_f64), 2e-2)
                     check(f"{shape} ours vs FLA state",
                           oracle.rel_err(f64(fin_ours), f_f.float().cpu().numpy().astype(np.float64)), 2e-2)
+                ms_g = time_torch_graph(fcall)
+                row("prefill", shape, "FLA chunk_gated_delta_rule, CUDA graph", ms_g, T, Hv,
+                    nbytes)
+                if ours_best is not None:
+                    RESULTS["rows"][-1]["fla_over_ours"] = ms_g / ours_best[0]
+                    log(f"  => FLA in a CUDA graph / ours = {ms_g / ours_best[0]:.2f}x")
+                    if batched_row is not None:
+                        log(f"  => FLA in a CUDA graph / ours batched as FLA = "
+                            f"{ms_g / batched_row['ms']:.2f}x")
                 ms_f = time_torch(fcall)
                 row("prefill", shape, "FLA chunk_gated_delta_rule", ms_f, T, Hv, nbytes)
                 if harness.PROFILE and sweep:
@@ -308,6 +317,12 @@ def prefill_bench(quick, variants, use_fla, only=None):
                                                            / ours_best[3]["device_ms"])
                         log(f"  => in device time: FLA / ours = "
                             f"{fla_row['fla_over_ours_device']:.2f}x")
+                if batched_row is not None:
+                    fla_row["fla_over_batched"] = ms_f / batched_row["ms"]
+                    log(f"  => FLA / ours batched as FLA = {fla_row['fla_over_batched']:.2f}x")
+                    if "device_ms" in fla_row and "device_ms" in batched_row:
+                        log(f"  => in device time: FLA / ours batched as FLA = "
+                            f"{fla_row['device_ms'] / batched_row['device_ms']:.2f}x")
                 del o_f, f_f
             except Exception as e:  # noqa: BLE001
                 log("  FLA FAILED:", repr(e)[:2000])
@@ -316,28 +331,35 @@ def prefill_bench(quick, variants, use_fla, only=None):
         save()
 
 
-def _prefill_batched(shape, lens, inputs, ours_best, o_packed, T, Hv, nbytes):
-    """Ours called as FLA is: [B, T] sequences of one length and no cu_seqlens, so the
-    chunk table derives from a constant that XLA can fold in part (compiled for the
-    CPU, the block table is 4 fusions that read no input, against 5 from a traced
-    cu_seqlens); the packed call computes it from cu_seqlens on every call, which a
-    server has to (prefill run 9 counted its small fusions and launch gaps). The same kernels on the same table: checked against the
-    packed output, then timed."""
+def _prefill_batched(shape, lens, inputs, ours_best, packed, T, Hv, nbytes):
+    """Ours called as FLA is: [B, T] sequences of one length and no cu_seqlens. The
+    chunk table is then built in NumPy at trace time (``mgpu.block_table``), where the
+    packed call computes it from cu_seqlens on every call, as a server has to. The
+    same kernels: checked against the packed output and state, then timed (device
+    time under --profile). Returns the timed row, or None."""
     B, Tl = len(lens), lens[0]
     batched = [a.reshape((B, Tl) + a.shape[2:]) for a in inputs]
     label = "ours, batched as FLA (no cu_seqlens)"
     try:
         f = jax.jit(lambda *a, _cfg=ours_best[1]: gdn_prefill(
             *a, use_qk_l2norm=True, backend=harness.BACKEND, config=_cfg))
-        o, _ = f(*batched)
-        if not check(f"{shape} {label} vs packed o",
-                     oracle.rel_err(f64(o.reshape(o_packed.shape)), f64(o_packed)), 1e-2):
-            return
+        o, fin = f(*batched)
+        ok = [check(f"{shape} {label} vs packed o",
+                    oracle.rel_err(f64(o.reshape(packed[0].shape)), f64(packed[0])), 1e-2),
+              check(f"{shape} {label} vs packed state",
+                    oracle.rel_err(f64(fin), f64(packed[1])), 1e-2)]
+        if not all(ok):
+            return None
         ms, spread = time_jax(lambda: f(*batched))
         row("prefill", shape, label, ms, T, Hv, nbytes, extra=dict(spread=spread))
+        timed = RESULTS["rows"][-1]
+        if harness.PROFILE:
+            timed["device_ms"] = kernel_breakdown(lambda: f(*batched), label)
+        return timed
     except Exception as e:  # noqa: BLE001
         log(f"  {label} FAILED: {repr(e)[:2000]}")
         RESULTS["errors"].append((shape + " " + label, traceback.format_exc()[-4000:]))
+        return None
 
 
 DECODE_SHAPES = [(256, 64), (64, 64), (256, 32), (1024, 32)]

@@ -68,15 +68,33 @@ def kernel_times(fn, logdir: str | None = None) -> dict:
         jax.profiler.stop_trace()
     new = set(glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)) - before
     kernels: dict[str, list] = {}
-    intervals = []
+    events = []
     for path in new:
         for name, start, dur in _device_events(path):
             row = kernels.setdefault(kernel_group(name), [0, 0.0])
             row[0] += 1
             row[1] += dur * 1e-9
-            intervals.append((start, dur))
-    return {"wall_s": wall, "busy_s": _busy_ns(intervals) * 1e-9,
-            "kernels": {k: {"calls": c, "s": s} for k, (c, s) in kernels.items()}}
+            events.append((start, dur, name))
+    events.sort()
+    return {"wall_s": wall, "busy_s": _busy_ns([e[:2] for e in events]) * 1e-9,
+            "kernels": {k: {"calls": c, "s": s} for k, (c, s) in kernels.items()},
+            "events": events}
+
+
+def last_call(events, n_calls: int) -> str:
+    """Markdown: the kernels of the last of `n_calls` identical calls in start order,
+    each with the idle time before it on the device (the first: since the call
+    before). Tells launch gaps that sit between particular kernels from even ones.
+    Only meaningful for one device and one stream, where the calls do not overlap."""
+    k = len(events) // max(n_calls, 1)
+    if not k:
+        return ""
+    lines = ["| kernel | gap before, us | us |", "|---|---|---|"]
+    prev_end = events[-k - 1][0] + events[-k - 1][1] if len(events) > k else events[-k][0]
+    for start, dur, name in events[-k:]:
+        lines.append(f"| `{kernel_group(name)}` | {(start - prev_end) / 1e3:.1f} | {dur / 1e3:.1f} |")
+        prev_end = max(prev_end, start + dur)
+    return "\n".join(lines)
 
 
 def difference(a: dict, b: dict, n: int) -> dict:

@@ -43,4 +43,19 @@ def test_prefill_rows_packed_and_batched_as_fla(tmp_path):
     # the tiny shapes: one of mixed lengths (packed only), one of equal lengths (both)
     assert [batched in i for i in impls.values()] == [False, True]
     assert all("ours pallas default" in i for i in impls.values())
-    assert any(c["name"].endswith(f"{batched} vs packed o") for c in r["checks"])
+    for part in ("o", "state"):
+        assert any(c["name"].endswith(f"{batched} vs packed {part}") for c in r["checks"])
+
+
+def test_last_call_lists_one_calls_kernels_with_the_gaps_before_them():
+    """Two calls of three kernels (start, duration in us; the trace's are in ns): the
+    second call's kernels, each with the idle time since the previous kernel ended."""
+    from bench.profile import last_call
+    us = [(0, 10, "a"), (12, 5, "fusion_1"), (20, 30, "b"),
+          (53, 10, "a"), (66, 5, "fusion_2"), (75, 30, "b")]
+    events = [(t * 1000, d * 1000, name) for t, d, name in us]
+    lines = last_call(events, 2).splitlines()[2:]
+    cells = [[c.strip(" `") for c in ln.strip("|").split("|")] for ln in lines]
+    assert [c[0] for c in cells] == ["a", "fusion#", "b"]
+    assert [float(c[1]) for c in cells] == [3.0, 3.0, 4.0]
+    assert [float(c[2]) for c in cells] == [10.0, 5.0, 30.0]

@@ -62,6 +62,33 @@ def test_per_block_zero_outside_rows():
             np.testing.assert_array_equal(xb[c, :, r], want)
 
 
+@pytest.mark.parametrize("cu", CUS + [[0, 64, 128], [0, 8192]])
+def test_block_table_from_numpy_is_the_traced_table_trimmed(cu):
+    """Without cu_seqlens the table is built in NumPy at trace time, with only the used
+    entries: the traced table's first entries, whose rest are unused."""
+    total = cu[-1]
+    traced = {k: np.asarray(v) for k, v in mgpu.block_table(jnp.asarray(cu, jnp.int32), total).items()}
+    static = mgpu.block_table(np.asarray(cu, np.int32), total)
+    assert all(isinstance(v, np.ndarray) and v.dtype == np.int32 for v in static.values())
+    n = static["start"].shape[0]
+    assert n == max(1, int(traced["seq_nchunks"].sum()))
+    for key in ("start", "lo", "hi"):
+        np.testing.assert_array_equal(static[key], traced[key][:n])
+        assert np.all(traced["hi"][n:] == 0)
+    for key in ("seq_first_chunk", "seq_nchunks", "cu"):
+        np.testing.assert_array_equal(static[key], traced[key])
+
+
+@pytest.mark.parametrize("cu", [[0, 128, 256], [0, 70, 100]])
+def test_per_block_of_a_numpy_table_equals_the_gather(cu):
+    """Whole blocks in order take the reshape; the values are the gather's either way."""
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((cu[-1], 3)), jnp.float32)
+    static = mgpu.block_table(np.asarray(cu, np.int32), cu[-1])
+    as_jax = {k: jnp.asarray(v) for k, v in static.items()}
+    np.testing.assert_array_equal(np.asarray(mgpu._per_block(x, static)),
+                                  np.asarray(mgpu._per_block(x, as_jax)))
+
+
 def _runner():
     """A context that runs Mosaic GPU kernels here, or None."""
     if gpu_arch() == "sm90":

@@ -29,6 +29,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from .._mgpu import load, store_rows, wgmma_transforms
@@ -36,32 +37,49 @@ from .reference import CHUNK, l2norm
 
 
 def block_table(cu, total_tokens: int):
-    """Chunks on the 64-row grid, never crossing a sequence boundary. cu int32 [N+1]
-    (traced). Returns int32 arrays of the static length C = ceil(T / 64) + N (each
-    sequence adds at most one block it shares): per entry the block's first token
-    ``start`` (a multiple of 64) and the sequence's rows in it [lo, hi) (0, 0 for
-    unused entries); per sequence ``seq_first_chunk`` and ``seq_nchunks``; ``cu``
-    clamped to the token count, as the table read it."""
+    """Chunks on the 64-row grid, never crossing a sequence boundary. cu int32 [N+1].
+    Returns int32 arrays: per entry the block's first token ``start`` (a multiple of
+    64) and the sequence's rows in it [lo, hi) (0, 0 for unused entries); per sequence
+    ``seq_first_chunk`` and ``seq_nchunks``; ``cu`` clamped to the token count, as the
+    table read it.
+
+    A traced cu gives the static length C = ceil(T / 64) + N (each sequence adds at
+    most one block it shares) and XLA computes the table on every call. A NumPy cu
+    (``gdn_prefill`` without cu_seqlens, FLA's batched form) gives the table here, as
+    constants with only the used entries. On the GPU that took the table's fusions out
+    but not the device time: XLA turned the constants into three tiny broadcast and
+    iota fusions (bench/RESULTS.md, prefill run 11)."""
+    xp = np if isinstance(cu, np.ndarray) else jnp
     n_seq = cu.shape[0] - 1
     c_max = -(-total_tokens // CHUNK) + n_seq
-    cu = jnp.minimum(cu.astype(jnp.int32), total_tokens)
+    cu = xp.minimum(cu.astype(np.int32), total_tokens)
     s0, s1 = cu[:-1], cu[1:]
-    nch = jnp.where(s1 > s0, (s1 + CHUNK - 1) // CHUNK - s0 // CHUNK, 0)
-    ends = jnp.cumsum(nch)
+    nch = xp.where(s1 > s0, (s1 + CHUNK - 1) // CHUNK - s0 // CHUNK, 0)
+    ends = xp.cumsum(nch).astype(np.int32)
     first = ends - nch
-    c = jnp.arange(c_max, dtype=jnp.int32)
-    seq = jnp.minimum(jnp.searchsorted(ends, c, side="right", method="compare_all"),
-                      n_seq - 1)
+    if xp is np:
+        c_max = max(int(ends[-1]), 1)
+    c = xp.arange(c_max, dtype=np.int32)
+    # compare_all: one fused kernel (the default is a loop of kernels on the GPU)
+    kw = {} if xp is np else {"method": "compare_all"}
+    seq = xp.minimum(xp.searchsorted(ends, c, side="right", **kw), n_seq - 1)
     live = c < ends[-1]
     start = (s0[seq] // CHUNK + c - first[seq]) * CHUNK
-    lo = jnp.where(live, jnp.maximum(s0[seq] - start, 0), 0)
-    hi = jnp.where(live, jnp.minimum(s1[seq] - start, CHUNK), 0)
-    return dict(start=jnp.where(live, start, 0), lo=lo, hi=hi, seq_first_chunk=first,
-                seq_nchunks=nch, cu=cu)
+    lo = xp.where(live, xp.maximum(s0[seq] - start, 0), 0)
+    hi = xp.where(live, xp.minimum(s1[seq] - start, CHUNK), 0)
+    tab = dict(start=xp.where(live, start, 0), lo=lo, hi=hi, seq_first_chunk=first,
+               seq_nchunks=nch, cu=cu)
+    return {k: v.astype(np.int32) for k, v in tab.items()}
 
 
 def _per_block(x, tab):
-    """x [T, H] as [C, H, 64] on each entry's block, 0 outside its rows [lo, hi)."""
+    """x [T, H] as [C, H, 64] on each entry's block, 0 outside its rows [lo, hi). A
+    constant table of whole blocks that tile x in order is a reshape."""
+    if isinstance(tab["start"], np.ndarray):
+        C = tab["start"].shape[0]
+        if (C * CHUNK == x.shape[0] and np.all(tab["lo"] == 0) and np.all(tab["hi"] == CHUNK)
+                and np.array_equal(tab["start"], np.arange(C) * CHUNK)):
+            return x.reshape(C, CHUNK, x.shape[1]).transpose(0, 2, 1)
     pos = jnp.arange(CHUNK, dtype=jnp.int32)
     idx = jnp.minimum(tab["start"][:, None] + pos, x.shape[0] - 1)
     keep = (pos >= tab["lo"][:, None]) & (pos < tab["hi"][:, None])

@@ -56,10 +56,10 @@ def _check_shapes(q, k, v, g, beta):
 
 def normalize_cu_seqlens(B, T, cu_seqlens):
     """Returns (cu int32 [N+1], N); without cu_seqlens each batch row is one sequence
-    of length T (packed as B*T tokens), and cu is a literal constant, so that XLA can
-    fold some of what is computed from it (the chunk tables) at compile time."""
+    of length T (packed as B*T tokens), and cu is a NumPy array, so that the chunk
+    tables can be built at trace time (``mgpu.block_table``) or folded by XLA."""
     if cu_seqlens is None:
-        return jnp.asarray(np.arange(B + 1, dtype=np.int32) * T), B
+        return np.arange(B + 1, dtype=np.int32) * T, B
     if B != 1:
         raise ValueError("with cu_seqlens the batch dimension must be 1")
     cu = jnp.asarray(cu_seqlens).astype(jnp.int32)
