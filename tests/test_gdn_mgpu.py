@@ -74,7 +74,7 @@ def test_block_table_from_numpy_is_the_traced_table_trimmed(cu):
     assert n == max(1, int(traced["seq_nchunks"].sum()))
     for key in ("start", "lo", "hi"):
         np.testing.assert_array_equal(static[key], traced[key][:n])
-        assert np.all(traced["hi"][n:] == 0)
+    assert np.all(traced["hi"][n:] == 0)
     for key in ("seq_first_chunk", "seq_nchunks", "cu"):
         np.testing.assert_array_equal(static[key], traced[key])
 
