@@ -230,13 +230,13 @@ def prefill_bench(quick, variants, use_fla, only=None):
             cfgs = [best_cfg]
         ours_best = None
         for cfg in cfgs:
-            label = "ours pallas " + (json.dumps(cfg, separators=(",", ":")) if cfg else "default")
+            label = "ours pallas " + cfg_label(cfg)
             try:
                 f = jax.jit(lambda c, *a, _cfg=cfg: gdn_prefill(
                     *a, cu_seqlens=c, use_qk_l2norm=True, backend=harness.BACKEND, config=_cfg))
                 ms, spread = time_jax(lambda: f(cuj, q, k, v, g, beta))
-                row("prefill", shape, label, ms, T, Hv, nbytes, extra=dict(spread=spread, cfg=cfg))
-                timed_row = RESULTS["rows"][-1]
+                timed_row = row("prefill", shape, label, ms, T, Hv, nbytes,
+                                extra=dict(spread=spread, cfg=cfg))
                 if ours_best is None or ms < ours_best[0]:
                     ours_best = (ms, cfg, f, timed_row)
                 if sweep:
@@ -293,36 +293,20 @@ def prefill_bench(quick, variants, use_fla, only=None):
                     check(f"{shape} ours vs FLA o", oracle.rel_err(f64(o_ours), o_f64), 2e-2)
                     check(f"{shape} ours vs FLA state",
                           oracle.rel_err(f64(fin_ours), f_f.float().cpu().numpy().astype(np.float64)), 2e-2)
-                ms_g = time_torch_graph(fcall)
-                row("prefill", shape, "FLA chunk_gated_delta_rule, CUDA graph", ms_g, T, Hv,
-                    nbytes)
-                if ours_best is not None:
-                    RESULTS["rows"][-1]["fla_over_ours"] = ms_g / ours_best[0]
-                    log(f"  => FLA in a CUDA graph / ours = {ms_g / ours_best[0]:.2f}x")
-                    if batched_row is not None:
-                        log(f"  => FLA in a CUDA graph / ours batched as FLA = "
-                            f"{ms_g / batched_row['ms']:.2f}x")
-                ms_f = time_torch(fcall)
-                row("prefill", shape, "FLA chunk_gated_delta_rule", ms_f, T, Hv, nbytes)
+                graph_row = row("prefill", shape, "FLA chunk_gated_delta_rule, CUDA graph",
+                                time_torch_graph(fcall), T, Hv, nbytes)
+                fla_row = row("prefill", shape, "FLA chunk_gated_delta_rule", time_torch(fcall),
+                              T, Hv, nbytes)
                 if harness.PROFILE and sweep:
-                    RESULTS["rows"][-1]["device_ms"] = kernel_breakdown(
+                    fla_row["device_ms"] = kernel_breakdown(
                         lambda: (fcall(), torch.cuda.synchronize()), "FLA")
-                    save()
-                if ours_best is not None:
-                    fla_row = RESULTS["rows"][-1]
-                    fla_row["fla_over_ours"] = ms_f / ours_best[0]
-                    log(f"  => FLA / ours = {ms_f / ours_best[0]:.2f}x")
-                    if "device_ms" in fla_row and "device_ms" in ours_best[3]:
-                        fla_row["fla_over_ours_device"] = (fla_row["device_ms"]
-                                                           / ours_best[3]["device_ms"])
-                        log(f"  => in device time: FLA / ours = "
-                            f"{fla_row['fla_over_ours_device']:.2f}x")
-                if batched_row is not None:
-                    fla_row["fla_over_batched"] = ms_f / batched_row["ms"]
-                    log(f"  => FLA / ours batched as FLA = {fla_row['fla_over_batched']:.2f}x")
-                    if "device_ms" in fla_row and "device_ms" in batched_row:
-                        log(f"  => in device time: FLA / ours batched as FLA = "
-                            f"{fla_row['device_ms'] / batched_row['device_ms']:.2f}x")
+                for fla_r, name in ((graph_row, "FLA in a CUDA graph"), (fla_row, "FLA")):
+                    if ours_best is not None:
+                        _versus(fla_r, ours_best[3], "fla_over_ours", f"{name} / ours")
+                    if batched_row is not None:
+                        _versus(fla_r, batched_row, "fla_over_batched",
+                                f"{name} / ours batched as FLA")
+                save()
                 del o_f, f_f
             except Exception as e:  # noqa: BLE001
                 log("  FLA FAILED:", repr(e)[:2000])
@@ -351,8 +335,7 @@ def _prefill_batched(shape, lens, inputs, ours_best, packed, T, Hv, nbytes):
         if not all(ok):
             return None
         ms, spread = time_jax(lambda: f(*batched))
-        row("prefill", shape, label, ms, T, Hv, nbytes, extra=dict(spread=spread))
-        timed = RESULTS["rows"][-1]
+        timed = row("prefill", shape, label, ms, T, Hv, nbytes, extra=dict(spread=spread))
         if harness.PROFILE:
             timed["device_ms"] = kernel_breakdown(lambda: f(*batched), label)
         return timed
@@ -360,6 +343,16 @@ def _prefill_batched(shape, lens, inputs, ours_best, packed, T, Hv, nbytes):
         log(f"  {label} FAILED: {repr(e)[:2000]}")
         RESULTS["errors"].append((shape + " " + label, traceback.format_exc()[-4000:]))
         return None
+
+
+def _versus(fla, ours, key, label):
+    """FLA's row over one of ours, in wall time and, where both rows have it, in device
+    time: logged, and kept on FLA's row as ``key`` and ``key + "_device"``."""
+    fla[key] = fla["ms"] / ours["ms"]
+    log(f"  => {label} = {fla[key]:.2f}x")
+    if "device_ms" in fla and "device_ms" in ours:
+        fla[key + "_device"] = fla["device_ms"] / ours["device_ms"]
+        log(f"  => in device time: {label} = {fla[key + '_device']:.2f}x")
 
 
 DECODE_SHAPES = [(256, 64), (64, 64), (256, 32), (1024, 32)]
@@ -402,7 +395,7 @@ def decode_bench(quick, variants, use_fla):
                              backend="reference")
             results = []
             for cfg in cfgs:
-                label = "ours pallas " + (json.dumps(cfg, separators=(",", ":")) if cfg else "default")
+                label = "ours pallas " + cfg_label(cfg)
                 try:
                     f = jax.jit(lambda p, *a, _cfg=cfg: gdn_decode(*a, p, slots, use_qk_l2norm=True,
                                                                    backend=harness.BACKEND, config=_cfg),

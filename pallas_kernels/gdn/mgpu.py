@@ -47,8 +47,8 @@ def block_table(cu, total_tokens: int):
     most one block it shares) and XLA computes the table on every call. A NumPy cu
     (``gdn_prefill`` without cu_seqlens, FLA's batched form) gives the table here, as
     constants with only the used entries. On the GPU that took the table's fusions out
-    but not the device time: XLA turned the constants into three tiny broadcast and
-    iota fusions (bench/RESULTS.md, prefill run 11)."""
+    but not the device time: three tiny broadcast and multiply fusions took
+    their place (bench/RESULTS.md, prefill run 11)."""
     xp = np if isinstance(cu, np.ndarray) else jnp
     n_seq = cu.shape[0] - 1
     c_max = -(-total_tokens // CHUNK) + n_seq
