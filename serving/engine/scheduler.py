@@ -151,9 +151,7 @@ class Scheduler:
         memory = req.block_ids, req.slot
         req.block_ids, req.slot = [], None
         if not req.is_finished:
-            req.num_computed_tokens = 0
-            req.status = Status.WAITING
-            self.waiting.appendleft(req)
+            self._requeue(req)
         return memory
 
     # ---- the step -------------------------------------------------------
@@ -228,10 +226,15 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.release(req)
-        req.num_computed_tokens = 0
         req.num_pending = 0  # a sample still in flight is dropped (epoch below)
         req.epoch += 1
         req.num_preemptions += 1
+        self._requeue(req)
+        self.num_preemptions += 1
+
+    def _requeue(self, req: Request) -> None:
+        """Back to the head of the queue, holding no memory, to compute its prompt
+        again from the start."""
+        req.num_computed_tokens = 0
         req.status = Status.WAITING
         self.waiting.appendleft(req)
-        self.num_preemptions += 1
