@@ -105,19 +105,20 @@ def _doubling_inverse(A, ri, ci, prec):
     """(I + A)^-1 for strictly lower A [n, n] (n a power of two) by recursive doubling
     of the diagonal blocks: D_s = T's block-diagonal part in s-row blocks, B_s = A's
     part below the diagonal inside each 2s block, D_2s = D_s - D_s B_s D_s (T_ba =
-    -T_bb A_ba T_aa). Its products have moderate entries. The product form
-    (I+N)(I+N^2)(I+N^4)..., N = -A, which this replaces, builds powers of A with
-    entries ~1e7 for keys sharing a direction and loses every digit to cancellation
-    (bench/RESULTS.md). The Mosaic GPU intra kernel (gdn/mgpu.py) runs the same
-    recursion."""
+    -T_bb A_ba T_aa); B_s D_s is computed as A D_s kept on B_s's blocks (D_s is block
+    diagonal), as the Mosaic GPU intra kernel (gdn/mgpu.py) does. Its products have
+    moderate entries. The product form (I+N)(I+N^2)(I+N^4)..., N = -A, which this
+    replaces, builds powers of A with entries ~1e7 for keys sharing a direction and
+    loses every digit to cancellation (bench/RESULTS.md)."""
     dn = (((1,), (0,)), ((), ()))
     mm = lambda a, b: lax.dot_general(a, b, dn, precision=prec,
                                       preferred_element_type=jnp.float32)
     D = jnp.where(ri == ci, 1.0, 0.0) - jnp.where(ri // 2 == ci // 2, A, 0.0)
     blk = 2
     while blk < A.shape[0]:
-        B = jnp.where((ri // (2 * blk) == ci // (2 * blk)) & (ri // blk != ci // blk), A, 0.0)
-        D = D - mm(D, mm(B, D))
+        Y = jnp.where((ri // (2 * blk) == ci // (2 * blk)) & (ri // blk != ci // blk),
+                      mm(A, D), 0.0)
+        D = D - mm(D, Y)
         blk *= 2
     return D
 
