@@ -384,7 +384,8 @@ def intra_mgpu(start, lo, hi, k, gam, beta, *, ratio: int):
     s rows and B_s the part of A below the diagonal inside each 2s block, D_2s = D_s -
     D_s (B_s D_s), s = 1, 2, ..., 32. B_s D_s is A D_s kept on B_s's blocks, so A goes
     to SMEM once and each step masks a product instead of storing a masked A: one
-    SMEM store less a step and A out of the registers. D stays float32 in registers;
+    SMEM store less a step and A out of the registers (168 -> 122 registers, 4 CTAs an
+    SM instead of 3: bench/RESULTS.md, prefill run 14). D stays float32 in registers;
     the wgmma operands A, D and Y = B D are float16: tf32's 10-bit mantissa at twice
     tf32's rate and half its SMEM, and a 16-bit wgmma reads row-major right operands,
     so no transposes are carried (bench/RESULTS.md, prefill run 6). float16's range needs unit keys: then
