@@ -166,7 +166,7 @@ def chunk_pass_mgpu(cu, seq_first, seq_nchunks, q, k, v, m, gam, init, *,
     def gdn_chunk_mgpu(cu_g, first_g, nch_g, q_g, k_g, v_g, m_g, gam_g, *rest):
         if has_init:
             init_g, *rest = rest
-        (o_g, fin_g, q_s, k_s, v_s, m_s, g_s, s_s, vd_s, w_s, p_s, o_t, o_s, f_s,
+        (o_g, fin_g, q_s, k_s, v_s, m_s, g_s, s_s, vd_s, w_s, o_t, o_s, f_s,
          loaded, zeroed, ready, consumed, s_free, init_bar) = rest
         role = lax.axis_index("wg")
         s = lax.axis_index("s")
@@ -295,12 +295,12 @@ def chunk_pass_mgpu(cu, seq_first, seq_nchunks, q, k, v, m, gam, init, *,
                 g_r, g_col = load(g_c, row_vec), load(g_c, col_vec)
                 diff = (lax.broadcast_in_dim(g_r, (CHUNK, CHUNK), [0])
                         - lax.broadcast_in_dim(g_col, (CHUNK, CHUNK), [1]))
-                p_s[...] = jnp.where(causal, qk * jnp.exp(jnp.where(causal, diff, 0.0)),
-                                     0.0).astype(dt)
-                plgpu.commit_smem()
+                # P stays in registers: a wgmma's left operand may (no SMEM store)
+                p = jnp.where(causal, qk * jnp.exp(jnp.where(causal, diff, 0.0)),
+                              0.0).astype(dt)
                 plgpu.barrier_wait(ready.at[slot])
                 qs, pv = pl.run_scoped(
-                    functools.partial(_mma, pairs=((q_c, s_s.at[slot]), (p_s, vd_s.at[slot]))),
+                    functools.partial(_mma, pairs=((q_c, s_s.at[slot]), (p, vd_s.at[slot]))),
                     plgpu.ACC((CHUNK, bv)), plgpu.ACC((CHUNK, bv)))
                 plgpu.barrier_arrive(s_free.at[slot])
                 plgpu.barrier_arrive(consumed.at[slot])
@@ -345,7 +345,6 @@ def chunk_pass_mgpu(cu, seq_first, seq_nchunks, q, k, v, m, gam, init, *,
         plgpu.SMEM((2, dk, bv), dt, transforms=tr),           # S, 16-bit copy
         plgpu.SMEM((2, CHUNK, bv), dt, transforms=tr),        # Vd
         plgpu.SMEM((CHUNK, bv), dt, transforms=tr),           # W, then V'
-        plgpu.SMEM((CHUNK, CHUNK), dt, transforms=tr),        # P
         plgpu.SMEM((CHUNK, bv), v.dtype, transforms=tr),      # output, whole chunk
         plgpu.SMEM((CHUNK, bv), v.dtype),                     # output, last rows
         plgpu.SMEM((dk, bv), jnp.float32),                    # state in / out
@@ -388,9 +387,9 @@ def intra_mgpu(start, lo, hi, k, gam, beta, *, ratio: int):
     SM instead of 3: bench/RESULTS.md, prefill run 14). D stays float32 in registers;
     the wgmma operands A, D and Y = B D are float16: tf32's 10-bit mantissa at twice
     tf32's rate and half its SMEM, and a 16-bit wgmma reads row-major right operands,
-    so no transposes are carried (bench/RESULTS.md, prefill run 6). float16's range needs unit keys: then
-    |A_ij| <= beta_i, and with beta <= 2 T's entries stayed under ~2 in simulation; keys
-    of norm 5 overflow it. So ``gdn_prefill_mgpu`` always normalises q and k, and the
+    so no transposes are carried (bench/RESULTS.md, prefill run 6). float16's range
+    needs unit keys: then |A_ij| <= beta_i, and with beta <= 2 T's entries stayed under
+    ~2 in simulation; keys of norm 5 overflow it. So ``gdn_prefill_mgpu`` always normalises q and k, and the
     dispatch takes it only for ops that ask for that (``use_qk_l2norm``, as the model
     does)."""
     from jax.experimental import pallas as pl
@@ -484,7 +483,8 @@ def _compiler_params():
 
 
 def _mma(*accs, pairs):
-    """accs[i] = x_i y_i for the SMEM pairs (x_i, y_i), one wgmma group."""
+    """accs[i] = x_i y_i, one wgmma group; y_i in SMEM, x_i in SMEM or in registers
+    (a 16-bit array in the WGMMA layout)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
     for acc, (x, y) in zip(accs, pairs):
         plgpu.wgmma(acc, x, y)
