@@ -91,7 +91,7 @@ def takes(q, k, v, bv: int) -> bool:
     and dv multiples of the V tile bv, itself 128 bytes (every wgmma operand row here
     is one 128-byte swizzle row; at bv 32, 64-byte rows, the sequential launch passed
     the interpreter but hit a misaligned address on the GPU: bench/RESULTS.md, prefill
-    run 6); dk at most 128 (the sequential launch's SMEM, ~209 KB at dk 128, exceeds
+    run 6); dk at most 128 (the sequential launch's SMEM, ~201 KB at dk 128, exceeds
     the 227 KB limit from dk 192)."""
     dk, dv = q.shape[-1], v.shape[-1]
     return (q.dtype == k.dtype == v.dtype and q.dtype in (jnp.bfloat16, jnp.float16)
