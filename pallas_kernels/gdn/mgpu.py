@@ -389,9 +389,9 @@ def intra_mgpu(start, lo, hi, k, gam, beta, *, ratio: int):
     tf32's rate and half its SMEM, and a 16-bit wgmma reads row-major right operands,
     so no transposes are carried (bench/RESULTS.md, prefill run 6). float16's range
     needs unit keys: then |A_ij| <= beta_i, and with beta <= 2 T's entries stayed under
-    ~2 in simulation; keys of norm 5 overflow it. So ``gdn_prefill_mgpu`` always normalises q and k, and the
-    dispatch takes it only for ops that ask for that (``use_qk_l2norm``, as the model
-    does)."""
+    ~2 in simulation; keys of norm 5 overflow it. So ``gdn_prefill_mgpu`` always
+    normalises q and k, and the dispatch takes it only for ops that ask for that
+    (``use_qk_l2norm``, as the model does)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
