@@ -138,7 +138,7 @@ def cfg_label(cfg):
     return json.dumps(cfg, separators=(",", ":")) if cfg else "default"
 
 
-def row(kind, shape, impl, ms, tokens=None, heads=None, nbytes=None, ratio=None, extra=None):
+def row(kind, shape, impl, ms, tokens=None, heads=None, nbytes=None, extra=None):
     r = dict(kind=kind, shape=shape, impl=impl, ms=ms)
     if tokens and heads:
         r["ns_tok_head"] = ms * 1e6 / (tokens * heads)
@@ -148,8 +148,6 @@ def row(kind, shape, impl, ms, tokens=None, heads=None, nbytes=None, ratio=None,
         r["GBps"] = nbytes / (ms * 1e-3) / 1e9
         if RESULTS.get("copy_bw_Bps"):
             r["frac_copy_bw"] = nbytes / (ms * 1e-3) / RESULTS["copy_bw_Bps"]
-    if ratio is not None:
-        r["fla_over_ours"] = ratio
     if extra:
         r.update(extra)
     RESULTS["rows"].append(r)
@@ -158,8 +156,6 @@ def row(kind, shape, impl, ms, tokens=None, heads=None, nbytes=None, ratio=None,
         s += f"  {r['ns_tok_head']:6.3f} ns/tok/head  {r['tflops']:6.1f} TFLOP/s"
     if nbytes:
         s += f"  {r['GBps']:7.0f} GB/s ({r.get('frac_copy_bw', 0) * 100:4.0f}% copy)"
-    if ratio is not None:
-        s += f"  FLA/ours {ratio:5.2f}x"
     log(s)
     save()
     return r
