@@ -9,9 +9,17 @@ first, sees GPU i mod the GPU count), waits until each has compiled its
 programs and answers, then serves the OpenAI API on ``--port`` through the router.  Ctrl-C (or SIGTERM) stops the
 server and every worker.  Engine flags are those of ``python -m serving.api``;
 they and the transfer flags of ``python -m serving.worker`` (``--lease-ttl``,
-``--transfer-timeout``, ``--on-transfer-failure``) are passed to every worker, and
-``--prefill-args`` / ``--decode-args`` add flags for one role (its own batch limits
-or mesh, say).
+``--transfer-timeout``, ``--on-transfer-failure``, ``--transfer-interface``) are passed
+to every worker, and ``--prefill-args`` / ``--decode-args`` add flags for one role (its
+own batch limits or mesh, say).
+
+The router and the workers share a secret generated here for this start and handed to
+the workers in their environment (``serving.secret``), never on a command line; clients
+authenticate with ``--api-key`` (or ``VLLM_API_KEY``), which the workers never see.
+
+A worker that dies is restarted on its port, up to ``--max-worker-restarts`` times in
+all (each logged); past that, or with 0, the launcher stops everything and exits with
+status 1, for a supervisor (systemd, Kubernetes) to act on.
 """
 
 from __future__ import annotations
@@ -25,8 +33,11 @@ import subprocess
 import sys
 import time
 
+import threading
+
 import httpx
 
+from serving import secret as shared_secret
 from serving.api.server import parser as server_parser
 from serving.ports import free_port
 
@@ -36,7 +47,7 @@ GRACE_SECONDS = 5  # uvicorn waits this long for open streams on shutdown
 
 # Flags of the launcher alone: the aggregated server (``python -m serving.api``) has none.
 LAUNCHER_FLAGS = frozenset({"--prefill-workers", "--decode-workers", "--prefill-args",
-                            "--decode-args"})
+                            "--decode-args", "--max-worker-restarts"})
 
 
 def without_flags(argv: list[str], names) -> list[str]:
@@ -56,8 +67,7 @@ def without_flags(argv: list[str], names) -> list[str]:
 def worker_flags(args, argv: list[str]) -> list[str]:
     """The engine flags given on our command line, passed through to the workers."""
     return without_flags(argv, LAUNCHER_FLAGS | {
-        "--port", "--host", "--startup-timeout", "--served-model-name",
-        "--max-queued-requests"})
+        "--port", "--host", "--startup-timeout", "--served-model-name", "--api-key"})
 
 
 def gpus() -> list[str]:
@@ -72,26 +82,40 @@ def gpus() -> list[str]:
         return []
 
 
-def start_workers(args, flags: list[str]) -> tuple[list[subprocess.Popen], list[str], list[str]]:
-    """Worker i sees only GPU i mod the GPU count (``CUDA_VISIBLE_DEVICES``); NIXL still
-    reaches a peer's memory on another GPU, since CUDA opens IPC handles of devices a
-    process does not see."""
-    procs, urls = [], {"prefill": [], "decode": []}
-    devices = gpus()
-    for role, n in (("prefill", args.prefill_workers), ("decode", args.decode_workers)):
-        for _ in range(n):
-            port = free_port()
-            cmd = [sys.executable, "-m", "serving.worker", "--role", role, "--port", str(port),
-                   *flags, *shlex.split(getattr(args, f"{role}_args"))]
-            env = dict(os.environ)
-            if devices:
-                env["CUDA_VISIBLE_DEVICES"] = devices[len(procs) % len(devices)]
-            procs.append(subprocess.Popen(cmd, start_new_session=True, env=env))
-            urls[role].append(f"http://127.0.0.1:{port}")
-    return procs, urls["prefill"], urls["decode"]
+class Workers:
+    """The worker processes: worker i sees only GPU i mod the GPU count
+    (``CUDA_VISIBLE_DEVICES``; NIXL still reaches a peer's memory on another GPU, since CUDA
+    opens IPC handles of devices a process does not see), and the shared secret in its
+    environment."""
+
+    def __init__(self, args, flags: list[str], secret: str):
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.commands: dict[str, tuple[list[str], dict]] = {}
+        self.urls: dict[str, list[str]] = {"prefill": [], "decode": []}
+        devices = gpus()
+        for role, n in (("prefill", args.prefill_workers), ("decode", args.decode_workers)):
+            for _ in range(n):
+                port = free_port()
+                cmd = [sys.executable, "-m", "serving.worker", "--role", role, "--port",
+                       str(port), *flags, *shlex.split(getattr(args, f"{role}_args"))]
+                env = {**os.environ, shared_secret.ENV: secret}
+                env.pop(shared_secret.ENV_FILE, None)
+                if devices:
+                    env["CUDA_VISIBLE_DEVICES"] = devices[len(self.commands) % len(devices)]
+                url = f"http://127.0.0.1:{port}"
+                self.commands[url] = (cmd, env)
+                self.urls[role].append(url)
+                self.start(url)
+
+    def start(self, url: str) -> None:
+        cmd, env = self.commands[url]
+        self.procs[url] = subprocess.Popen(cmd, start_new_session=True, env=env)
+
+    def stop(self) -> None:
+        stop(list(self.procs.values()))
 
 
-def wait_ready(procs, urls, timeout: float) -> None:
+def wait_ready(procs, urls, timeout: float, secret: str) -> None:
     deadline = time.monotonic() + timeout
     pending = dict(zip(urls, procs))
     while pending:
@@ -99,7 +123,8 @@ def wait_ready(procs, urls, timeout: float) -> None:
             if proc.poll() is not None:
                 raise SystemExit(f"worker {url} exited with code {proc.returncode} during start-up")
             try:
-                if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+                r = httpx.get(f"{url}/health", timeout=1.0, headers=shared_secret.header(secret))
+                if r.status_code == 200:
                     del pending[url]
             except httpx.TransportError:
                 pass
@@ -108,17 +133,25 @@ def wait_ready(procs, urls, timeout: float) -> None:
         time.sleep(0.5)
 
 
-def stop(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGTERM)
-    deadline = time.monotonic() + 15
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+def supervise(workers: Workers, max_restarts: int, on_give_up, stopping: threading.Event,
+              interval: float = 0.5) -> None:
+    """Restart workers that exit, on their ports, until ``max_restarts`` restarts in all
+    have been spent; then call ``on_give_up(message)`` and return. Runs until
+    ``stopping`` is set (on its own thread)."""
+    restarts = 0
+    while not stopping.wait(interval):
+        for url, proc in list(workers.procs.items()):
+            code = proc.poll()
+            if code is None or stopping.is_set():
+                continue
+            if restarts >= max_restarts:
+                on_give_up(f"worker {url} exited with code {code}; {restarts} of "
+                           f"--max-worker-restarts {max_restarts} restarts spent")
+                return
+            restarts += 1
+            log.error("worker %s exited with code %s: restarting it (restart %d of %d)",
+                      url, code, restarts, max_restarts)
+            workers.start(url)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -132,6 +165,9 @@ def parser() -> argparse.ArgumentParser:
                    help="flags for the prefill workers only, after the shared ones (which "
                         "they override), e.g. '--tp 2 --max-num-seqs 8'")
     p.add_argument("--decode-args", default="", help="the same for the decode workers")
+    p.add_argument("--max-worker-restarts", type=int, default=3,
+                   help="restarts of workers that died, in all, before the launcher stops "
+                        "and exits with status 1 (0: exit at the first death)")
     return p
 
 
@@ -139,6 +175,7 @@ def main(argv=None) -> None:
     import uvicorn
 
     from serving.api.app import build_app
+    from serving.api.server import api_key
     from serving.api.text import Tokenizer, find_tokenizer
     from serving.router import Router
 
@@ -150,25 +187,42 @@ def main(argv=None) -> None:
     model = args.model or args.model_tag
     if not model:
         raise SystemExit("give a model: a checkpoint directory or a preset name")
-    procs, prefill, decode = start_workers(args, worker_flags(args, argv))
+    secret = shared_secret.generate()
+    workers = Workers(args, worker_flags(args, argv), secret)
+    prefill, decode = workers.urls["prefill"], workers.urls["decode"]
     # A SIGTERM to us stops the workers too, like Ctrl-C does.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    stopping, failure = threading.Event(), []
     try:
         log.info("starting %d prefill and %d decode workers", len(prefill), len(decode))
-        wait_ready(procs, prefill + decode, args.startup_timeout)
-        router = Router.from_workers(prefill, decode)
+        wait_ready(list(workers.procs.values()), prefill + decode, args.startup_timeout, secret)
+        router = Router.from_workers(prefill, decode, secret=secret)
         tokenizer = Tokenizer(find_tokenizer(model, args.tokenizer))
-        app = build_app(router, tokenizer, args.served_model_name or model)
+        app = build_app(router, tokenizer, args.served_model_name or model,
+                        api_key=api_key(args), max_request_bytes=args.max_request_bytes)
         log.info("serving %s on http://%s:%d (prefill %s, decode %s)", model, args.host,
                  args.port, prefill, decode)
         # Open streams must not hold a Ctrl-C or SIGTERM hostage: after the grace period
         # uvicorn closes them, and their requests are aborted.
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
-                    timeout_graceful_shutdown=GRACE_SECONDS)
+        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
+                                               log_level="warning",
+                                               timeout_graceful_shutdown=GRACE_SECONDS))
+
+        def give_up(message: str) -> None:
+            log.error("%s: stopping", message)
+            failure.append(message)
+            server.should_exit = True
+
+        threading.Thread(target=supervise, args=(workers, args.max_worker_restarts, give_up,
+                                                 stopping), daemon=True).start()
+        server.run()
     except KeyboardInterrupt:
         pass
     finally:
-        stop(procs)
+        stopping.set()
+        workers.stop()
+    if failure:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

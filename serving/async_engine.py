@@ -31,16 +31,9 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 
 from serving.engine import Engine, RequestOutput, SamplingParams
+from serving.errors import EngineDead, EngineOverloaded
 
 log = logging.getLogger(__name__)
-
-
-class EngineOverloaded(RuntimeError):
-    """Too many requests are queued; retry later."""
-
-
-class EngineDead(RuntimeError):
-    """The engine thread stopped after an error; nothing more will be served."""
 
 
 class RequestStream:

@@ -3,39 +3,48 @@
 It is a ``serving.api.backend.Backend``, so the OpenAI server fronts a
 disaggregated pair exactly as it fronts the aggregated engine.  For each
 request it posts the prompt to the least-loaded prefill worker (whose answer is
-the first token and the transfer parameters), then streams the rest from the
-least-loaded decode worker, which pulls the cache itself.  The router never
-touches cache memory; it only carries the parameters.
+the first token and the ticket of the pinned cache), then streams the rest from
+the least-loaded decode worker, which claims and pulls the cache itself.  The
+router never touches cache memory; it only carries tickets.  Every call carries
+the workers' shared secret, and every message is a ``serving.messages`` model.
+
+The decode workers pull only from prefill workers the router registered with them
+(``Sources``): the router learns each prefill worker's transfer address from its
+``/stats`` (or the ticket it answers) and registers the set with every decode worker
+before it sends one a request, again whenever a decode worker restarts.
 
 Faults surface as errors on the affected request only: an unreachable or dying
 worker (connection error or timeout on the HTTP call), a prefill worker whose engine
 thread has stopped (a 503 that says ``engine_dead``), or a decode worker refusing what
 a prefill worker accepted, raises ``WorkerFailed``; a worker whose engine stopped is
 passed over until a health poll finds it well (a request that meets such a decode
-worker goes on to another);
-a decode worker that reports a failed transfer ends the stream with that
-message.  Closing a stream closes its HTTP call, which aborts the request on
-the worker.  Whatever the prefill side pinned is freed by its lease when no
-decode worker pulls it.
+worker goes on to another); with no live worker of a role, a request is refused at
+once (``Unavailable``, 503) rather than prefilled for nothing.  A decode worker that
+refuses connections is gone: the prefill workers are told to free the leases it
+claimed (``PeerLost``) instead of holding them until they expire.  A decode worker
+that reports a failed transfer ends the stream with that message.  Closing a stream
+closes its HTTP call, which aborts the request on the worker.  Whatever the prefill
+side pinned is freed by its lease when no decode worker pulls it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
 
 import httpx
+from pydantic import ValidationError
 
-from serving.async_engine import EngineDead, EngineOverloaded
 from serving.engine import RequestOutput, SamplingParams
+from serving.errors import EngineDead, EngineOverloaded, Unavailable, WorkerFailed
+from serving.messages import (DecodeFrame, DecodeRequest, PeerLost, PrefillRequest,
+                              PrefillResult, Sampling, Sources)
+from serving.secret import header
 
 log = logging.getLogger(__name__)
 
-
-class WorkerFailed(RuntimeError):
-    """A worker did not answer (died, hung or closed the connection) for this request."""
+__all__ = ["Router", "RouterStream", "WorkerFailed"]
 
 
 class _Pool:
@@ -48,8 +57,11 @@ class _Pool:
         self.load = dict.fromkeys(self.urls, 0)
         self._turn = itertools.count()
 
-    def pick(self, exclude=()) -> str:
-        choices = [u for u in self.urls if u not in exclude] or self.urls
+    def pick(self, exclude=()) -> str | None:
+        """The least loaded of the workers not in ``exclude``; None if none is left."""
+        choices = [u for u in self.urls if u not in exclude]
+        if not choices:
+            return None
         start = next(self._turn)
         rotated = choices[start % len(choices):] + choices[:start % len(choices)]
         return min(rotated, key=self.load.__getitem__)
@@ -77,20 +89,22 @@ class RouterStream:
             async for line in response.aiter_lines():
                 if not line:
                     continue
-                d = json.loads(line)
-                if "error" in d:
-                    raise WorkerFailed(f"decode worker {url}: {d['error']}")
-                tokens += d["new_token_ids"]
-                if d.get("logprobs"):
-                    logprobs += d["logprobs"]
+                try:
+                    frame = DecodeFrame.model_validate_json(line)
+                except ValidationError as e:
+                    raise WorkerFailed(f"decode worker {url} sent a malformed frame: {e}") from None
+                if frame.error is not None:
+                    raise WorkerFailed(f"decode worker {url}: {frame.error}")
+                tokens += frame.new_token_ids
+                logprobs += frame.logprobs or []
                 yield RequestOutput(
                     request_id=self.request_id, prompt_token_ids=self._first.prompt_token_ids,
-                    token_ids=list(tokens), new_token_ids=d["new_token_ids"],
-                    finished=d["finished"], finish_reason=d["finish_reason"],
-                    stop_reason=d["stop_reason"],
+                    token_ids=list(tokens), new_token_ids=frame.new_token_ids,
+                    finished=frame.finished, finish_reason=frame.finish_reason,
+                    stop_reason=frame.stop_reason,
                     logprobs=list(logprobs) if self._first.logprobs is not None else None,
-                    num_preemptions=d.get("num_preemptions", 0))
-                if d["finished"]:
+                    num_preemptions=frame.num_preemptions)
+                if frame.finished:
                     return
             raise WorkerFailed(f"decode worker {url} closed the stream before the request finished")
         except (httpx.TransportError, httpx.StreamError) as e:
@@ -111,75 +125,105 @@ class RouterStream:
 
 
 class Router:
-    """A Backend over prefill and decode workers reached by HTTP."""
+    """A Backend over prefill and decode workers reached by HTTP with ``secret``."""
 
-    def __init__(self, prefill_urls: list[str], decode_urls: list[str], *, max_model_len: int,
-                 max_logprobs: int, request_timeout: float = 120.0,
+    def __init__(self, prefill_urls: list[str], decode_urls: list[str], *, secret: str,
+                 max_model_len: int, max_logprobs: int, request_timeout: float = 120.0,
                  connect_timeout: float = 5.0, decode_retry_seconds: float = 20.0):
         self.prefill, self.decode = _Pool(prefill_urls), _Pool(decode_urls)
         self.max_model_len, self.max_logprobs = max_model_len, max_logprobs
         self.decode_retry_seconds = decode_retry_seconds
         timeout = httpx.Timeout(request_timeout, connect=connect_timeout)
-        self._client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None))
+        self._client = httpx.AsyncClient(timeout=timeout, headers=header(secret),
+                                         limits=httpx.Limits(max_connections=None))
         self._health: dict[str, str | None] = {u: None for u in self.prefill.urls + self.decode.urls}
         self._stats: dict[str, dict] = {}
+        self._sources: dict[str, tuple[str, int]] = {}  # prefill url -> its transfer address
+        self._registered: dict[str, frozenset] = {}  # decode url -> the sources it was given
+        self._agents: dict[str, str] = {}  # decode url -> its transfer agent, as last seen
         self._poller: asyncio.Task | None = None
 
     @classmethod
-    def from_workers(cls, prefill_urls: list[str], decode_urls: list[str], **kw) -> "Router":
+    def from_workers(cls, prefill_urls: list[str], decode_urls: list[str], *, secret: str,
+                     **kw) -> "Router":
         """Read the limits from the workers' /info (they must agree)."""
-        infos = [httpx.get(f"{u}/info", timeout=10).json() for u in prefill_urls + decode_urls]
+        infos = [httpx.get(f"{u}/info", timeout=10, headers=header(secret)).raise_for_status()
+                 .json() for u in prefill_urls + decode_urls]
         lens = {i["max_model_len"] for i in infos}
         lps = {i["max_logprobs"] for i in infos}
         models = {i["model"] for i in infos}
         if len(models) != 1:
             raise ValueError(f"workers serve different models: {sorted(models)}")
-        return cls(prefill_urls, decode_urls, max_model_len=min(lens), max_logprobs=min(lps), **kw)
+        router = cls(prefill_urls, decode_urls, secret=secret, max_model_len=min(lens),
+                     max_logprobs=min(lps), **kw)
+        for url, info in zip(prefill_urls + decode_urls, infos):
+            router._saw(url, info)
+        return router
 
     async def add(self, request_id: str, prompt_token_ids: list[int],
                   params: SamplingParams) -> RouterStream:
         self._ensure_polling()
-        url = self.prefill.pick(exclude=self._down())
+        down = self._down()
+        if set(self.decode.urls) <= down:  # prefilling it would only hold memory for nothing
+            raise Unavailable(f"no decode worker is live: {self._why(self.decode.urls)}")
+        url = self.prefill.pick(exclude=down)
+        if url is None:
+            raise Unavailable(f"no prefill worker is live: {self._why(self.prefill.urls)}")
         self.prefill.load[url] += 1
+        body = PrefillRequest(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
+                              params=Sampling.of(params))
         try:
-            r = await self._client.post(f"{url}/prefill", json={
-                "request_id": request_id, "prompt_token_ids": list(prompt_token_ids),
-                "params": _params_json(params)})
+            r = await self._client.post(f"{url}/prefill", content=body.model_dump_json(),
+                                        headers={"Content-Type": "application/json"})
         except httpx.TransportError as e:
             self._health[url] = repr(e)  # skipped until a health poll finds it again
             raise WorkerFailed(f"prefill worker {url} failed: {e!r}") from None
         finally:
             self.prefill.load[url] -= 1
-        result = self._checked(r, url)
+        result = self._checked(r, url, PrefillResult)
         first = RequestOutput(
             request_id=request_id, prompt_token_ids=list(prompt_token_ids),
-            token_ids=result["token_ids"], new_token_ids=list(result["token_ids"]),
-            finished=result["transfer"] is None, finish_reason=result["finish_reason"],
-            stop_reason=result["stop_reason"], logprobs=result["logprobs"])
+            token_ids=list(result.token_ids), new_token_ids=list(result.token_ids),
+            finished=result.transfer is None, finish_reason=result.finish_reason,
+            stop_reason=result.stop_reason, logprobs=result.logprobs)
         if first.finished:
             return RouterStream(self, request_id, first, None)
-        decode = await self._start_decode(request_id, prompt_token_ids, params, result)
+        self._sources[url] = tuple(result.transfer.address)
+        decode = await self._start_decode(DecodeRequest(
+            request_id=request_id, prompt_token_ids=list(prompt_token_ids),
+            first_token=result.token_ids[-1], params=Sampling.of(params),
+            transfer=result.transfer))
         return RouterStream(self, request_id, first, decode)
 
-    async def _start_decode(self, request_id, prompt, params, result):
-        body = {"request_id": request_id, "prompt_token_ids": list(prompt),
-                "first_token": result["token_ids"][-1], "params": _params_json(params),
-                "transfer": result["transfer"]}
+    async def _start_decode(self, body: DecodeRequest):
+        content = body.model_dump_json()
         deadline = asyncio.get_running_loop().time() + self.decode_retry_seconds
         tried: set[str] = set(self._down())
         while True:
             url = self.decode.pick(exclude=tried)
+            if url is None:  # every live one is full, or gone
+                if not set(self.decode.urls) - self._down():
+                    raise WorkerFailed(f"no decode worker serves: {self._why(self.decode.urls)}")
+                if asyncio.get_running_loop().time() >= deadline:
+                    raise EngineOverloaded("every decode worker is full")
+                tried = set(self._down())  # again, shortly
+                await asyncio.sleep(0.05)
+                continue
             self.decode.load[url] += 1
             try:
-                req = self._client.build_request("POST", f"{url}/decode", json=body)
-                response = await self._client.send(req, stream=True)
+                response = await self._register(url)
+                if response is None:
+                    req = self._client.build_request("POST", f"{url}/decode", content=content,
+                                                     headers={"Content-Type": "application/json"})
+                    response = await self._client.send(req, stream=True)
             except httpx.TransportError as e:
                 self.decode.load[url] -= 1
-                self._health[url] = repr(e)
                 tried.add(url)
                 # a refused connection never reached the worker: another may take it
-                if isinstance(e, httpx.ConnectError) and not tried >= set(self.decode.urls):
+                if isinstance(e, httpx.ConnectError):
+                    self._gone(url, repr(e))
                     continue
+                self._health[url] = repr(e)
                 raise WorkerFailed(f"decode worker {url} failed: {e!r}") from None
             except BaseException:  # cancelled: the caller went away
                 self.decode.load[url] -= 1
@@ -191,13 +235,8 @@ class Router:
             self.decode.load[url] -= 1
             tried.add(url)
             if self._engine_died(response, url):
-                if tried >= set(self.decode.urls):
-                    raise WorkerFailed(f"no decode worker serves: {_detail(response)}")
                 continue
             if response.status_code == 503 and asyncio.get_running_loop().time() < deadline:
-                if tried >= set(self.decode.urls):
-                    tried = set(self._down())  # every live one is full: again, shortly
-                    await asyncio.sleep(0.05)
                 continue
             if response.status_code == 503:  # still full when the retries ran out
                 raise EngineOverloaded(f"{url}: {_detail(response)}")
@@ -206,9 +245,27 @@ class Router:
             raise WorkerFailed(f"decode worker {url} refused the request "
                                f"({response.status_code}: {_detail(response)})")
 
-    def _checked(self, response: httpx.Response, url: str) -> dict:
+    async def _register(self, url: str) -> httpx.Response | None:
+        """Give decode worker ``url`` the prefill workers' transfer addresses, unless it has
+        them already; its answer if it refused them (read, for the caller to judge)."""
+        wanted = frozenset(self._sources.values())
+        if self._registered.get(url) == wanted:
+            return None
+        body = Sources(addresses=sorted(wanted))
+        r = await self._client.post(f"{url}/sources", content=body.model_dump_json(),
+                                    headers={"Content-Type": "application/json"})
+        if r.status_code != 200:
+            return r
+        self._registered[url] = wanted
+        return None
+
+    def _checked(self, response: httpx.Response, url: str, model):
         if response.status_code == 200:
-            return response.json()
+            try:
+                return model.model_validate_json(response.content)
+            except ValidationError as e:
+                raise WorkerFailed(f"worker {url} answered a malformed {model.__name__}: "
+                                   f"{e}") from None
         detail = _detail(response)
         if response.status_code == 400:
             raise ValueError(detail)
@@ -234,6 +291,38 @@ class Router:
 
     def _down(self) -> set[str]:
         return {u for u, e in self._health.items() if e is not None}
+
+    def _why(self, urls) -> dict:
+        return {u: self._health[u] for u in urls}
+
+    def _saw(self, url: str, info: dict) -> None:
+        """A worker's ``/info`` or ``/stats``: a prefill worker's transfer address, a decode
+        worker's agent (a new one is a restarted worker, which must be registered again)."""
+        if url in self.prefill.load:
+            self._sources[url] = tuple(info["transfer_address"])
+        elif info.get("agent") != self._agents.get(url):
+            self._agents[url] = info["agent"]
+            self._registered.pop(url, None)
+
+    def _gone(self, url: str, why: str) -> None:
+        """Decode worker ``url`` refuses connections: its process is gone. Mark it down and
+        have the prefill workers free the leases its agent claimed."""
+        self._health[url] = why
+        agent = self._agents.pop(url, None)
+        self._registered.pop(url, None)
+        if agent is None:
+            return
+        body = PeerLost(agent=agent).model_dump_json()
+
+        async def tell(prefill_url):
+            try:
+                await self._client.post(f"{prefill_url}/peer_lost", content=body, timeout=2.0,
+                                        headers={"Content-Type": "application/json"})
+            except httpx.TransportError:
+                pass  # its leases expire by themselves
+
+        for prefill_url in self.prefill.urls:
+            asyncio.get_running_loop().create_task(tell(prefill_url))
 
     async def abort(self, request_id: str) -> None:
         """Requests are aborted by closing their stream (the worker sees the disconnect)."""
@@ -273,6 +362,12 @@ class Router:
                 r = await self._client.get(f"{url}/stats", timeout=2.0)
                 r.raise_for_status()
                 self._stats[url], self._health[url] = r.json(), None
+                self._saw(url, self._stats[url])
+            except httpx.ConnectError as e:
+                if url in self.decode.load:
+                    self._gone(url, repr(e))
+                else:
+                    self._health[url] = repr(e)
             except Exception as e:  # noqa: BLE001 -- recorded as the worker's health
                 self._health[url] = repr(e)
         await asyncio.gather(*(one(u) for u in self._health))
@@ -285,18 +380,11 @@ class Router:
         down = self._down()
         for role, pool in (("prefill", self.prefill), ("decode", self.decode)):
             if set(pool.urls) <= down:
-                raise EngineDead(f"no {role} worker answers: "
-                                 f"{ {u: self._health[u] for u in pool.urls} }")
+                raise EngineDead(f"no {role} worker answers: {self._why(pool.urls)}")
 
     def shutdown(self) -> None:
         if self._poller is not None:
             self._poller.cancel()
-
-
-def _params_json(params: SamplingParams) -> dict:
-    import dataclasses
-
-    return dataclasses.asdict(params)
 
 
 def _detail(response: httpx.Response) -> str:

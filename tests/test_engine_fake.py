@@ -79,6 +79,43 @@ def test_remote_request_ended_by_its_first_token_is_refused(engine):
     assert not engine.requests and engine.blocks.num_free == NUM_BLOCKS
 
 
+@pytest.mark.parametrize("bad", [VOCAB, -1, 2**40, 1.0, True])
+def test_token_ids_outside_the_vocabulary_are_refused_at_admission(engine, bad):
+    """An id the embedding has no row for (or one that would overflow int32 inside a
+    step serving other requests) is refused before it reaches the scheduler."""
+    with pytest.raises(ValueError, match="not a token id of the vocabulary"):
+        engine.add_request([3, bad, 4], GREEDY)
+    with pytest.raises(ValueError, match="not a token id of the vocabulary"):
+        engine.add_remote_request([3, 4], bad, GREEDY)
+    assert not engine.requests
+    out = engine.generate([[3, 4]], GREEDY)  # and the engine serves on
+    assert out[0].token_ids == reference_greedy([3, 4], 24, VOCAB)
+
+
+def test_remote_requests_beyond_capacity_wait_for_memory_in_arrival_order(engine):
+    """Requests computed elsewhere are queued, not refused, while memory is short: each
+    gets its blocks and slot as memory frees, first come first served, and one aborted
+    while it waits holds nothing."""
+    ps = prompts(SLOTS + 3, seed=11, lo=5, hi=8)
+    ids = [engine.add_remote_request(p, reference_next(p, VOCAB), GREEDY) for p in ps]
+    reserved = [r for r, _, _ in engine.reserve_transfers()]
+    assert reserved == ids[:SLOTS]  # a slot each: the rest wait
+    assert engine.metrics()["num_waiting"] == 3
+    engine.abort(ids[SLOTS])  # gone while queued: never gets memory
+    for rid in reserved:
+        engine.finish_transfer(rid, ok=False)  # recompute them, as a failed pull would
+    done, later = {}, []
+    while engine.has_unfinished():
+        for r, _, _ in engine.reserve_transfers():
+            later.append(r)
+            engine.finish_transfer(r, ok=False)
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert later == ids[SLOTS + 1:]
+    for rid, p in zip(ids, ps):
+        if rid != ids[SLOTS]:
+            assert done[rid].token_ids == reference_greedy(p, 24, VOCAB)
+
+
 def test_eos_stop_ids_and_logprobs(engine):
     p = prompts(1, seed=3)[0]
     ref = reference_greedy(p, 30, VOCAB)
@@ -135,7 +172,8 @@ def test_transfer_target_filled_then_decoded(engine):
     programs (as a transfer would), then decode from it."""
     p = prompts(1, seed=6, lo=20)[0]
     first = reference_next(p, VOCAB)
-    rid, blocks, slot = engine.add_remote_request(p, first, GREEDY)
+    rid = engine.add_remote_request(p, first, GREEDY)
+    [(_, blocks, slot)] = engine.reserve_transfers()
     engine.step()  # nothing runs for it while the transfer is pending
     assert engine.requests[rid].num_computed_tokens == 0
 
@@ -154,7 +192,8 @@ def test_transfer_target_filled_then_decoded(engine):
         done.update({o.request_id: o for o in engine.step() if o.finished})
     assert done[rid].token_ids == reference_greedy(p, 24, VOCAB)
 
-    rid2, _, _ = engine.add_remote_request(p, first, GREEDY)  # a failed transfer: recompute
+    rid2 = engine.add_remote_request(p, first, GREEDY)  # a failed transfer: recompute
+    assert [r for r, _, _ in engine.reserve_transfers()] == [rid2]
     engine.finish_transfer(rid2, ok=False)
     while engine.has_unfinished():
         done.update({o.request_id: o for o in engine.step() if o.finished})
@@ -185,7 +224,7 @@ def test_500_random_requests_fenced_and_all_memory_returned(engine):
     runner.run = recording_run
     try:
         rng = np.random.default_rng(7)
-        live, transfers, n_added, n_done = [], {}, 0, 0
+        live, queued, transfers, n_added, n_done = [], [], {}, 0, 0
         # memory a failed transfer's READ may still write: (blocks, slots, memory, the
         # last step dispatched before it was given up)
         draining = []
@@ -201,16 +240,18 @@ def test_500_random_requests_fenced_and_all_memory_returned(engine):
                         if sp.max_tokens == 1 or first == 0:  # ends at once: refused
                             with pytest.raises(ValueError, match="already ends"):
                                 engine.add_remote_request(p, first, sp)
-                            got = None
                         else:
-                            got = engine.add_remote_request(p, first, sp)
-                        if got:
-                            transfers[got[0]] = (set(got[1]), {got[2]})
+                            queued.append(engine.add_remote_request(p, first, sp))
                     else:
                         live.append(engine.add_request(p, sp))
                     n_added += 1
             if live and rng.random() < 0.15:
                 engine.abort(live.pop(int(rng.integers(len(live)))))
+            if queued and rng.random() < 0.05:  # a client gone while its request waits
+                engine.abort(queued.pop(int(rng.integers(len(queued)))))
+            for rid, blocks, slot in engine.reserve_transfers():  # memory for queued ones
+                queued.remove(rid)
+                transfers[rid] = (set(blocks), {slot})
             for rid in [r for r in transfers if rng.random() < 0.2]:
                 del transfers[rid]
                 if rng.random() < 0.5:  # "transfer failed": the prompt is recomputed locally

@@ -54,9 +54,15 @@ class FakeCache:
                          jnp.full((num_slots,), 777, jnp.int32))
 
 
+@dataclass(frozen=True)
+class FakeConfig:
+    vocab_size: int
+
+
 class FakeModel(nnx.Module):
     def __init__(self, vocab: int = 101):
         self.vocab = vocab
+        self.config = FakeConfig(vocab)
         self.scale = nnx.Param(jnp.float32(0.5))
 
     def forward(self, batch: FakeBatch, cache: FakeCache):

@@ -4,8 +4,12 @@ import json
 
 import pytest
 
-from serving.engine import RequestOutput
+from serving.engine import RequestOutput, SamplingParams
+from serving.errors import EngineOverloaded, Unavailable, WorkerFailed
 from serving.router import Router, RouterStream
+
+SECRET = "the workers' shared secret, test"
+TICKET = {"agent": "prefill-a", "address": ["127.0.0.1", 9000], "lease": "abc.1", "ttl": 30.0}
 
 
 class _Response:
@@ -21,7 +25,7 @@ class _Response:
 def test_stream_closed_before_iteration_closes_its_decode_request():
     """A request whose sibling choice failed is closed unread: its decode stream must
     still be closed (so the worker aborts it) and its load dropped."""
-    router = Router(["http://p"], ["http://d"], max_model_len=64, max_logprobs=0)
+    router = Router(["http://p"], ["http://d"], secret=SECRET, max_model_len=64, max_logprobs=0)
     router.decode.load["http://d"] += 1  # as _start_decode counts a started decode
     first = RequestOutput("r", [1, 2], [3], [3], finished=False)
     response = _Response()
@@ -40,12 +44,14 @@ def _router_with(decode_status, decode_detail):
         if request.url.path == "/prefill":
             return httpx.Response(200, json={
                 "token_ids": [7], "logprobs": None, "finish_reason": None,
-                "stop_reason": None, "transfer": {"agent": "a", "lease": "l", "items": []}})
+                "stop_reason": None, "transfer": TICKET})
+        if request.url.path == "/sources":
+            return httpx.Response(200, json={"ok": True})
         return httpx.Response(decode_status, json={"detail": decode_detail})
 
-    router = Router(["http://p"], ["http://d"], max_model_len=64, max_logprobs=0,
+    router = Router(["http://p"], ["http://d"], secret=SECRET, max_model_len=64, max_logprobs=0,
                     decode_retry_seconds=0.0)
-    router._client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    router._client = httpx.AsyncClient(transport=httpx.MockTransport(handler), headers=router._client.headers)
     router._ensure_polling = lambda: None
     return router
 
@@ -54,10 +60,6 @@ def test_a_decode_refusal_of_an_accepted_request_is_a_worker_failure():
     """The prefill worker accepted the request, so a decode worker's 400 (say, stale
     params after a prefill restart) is the system's fault: WorkerFailed, not the
     client's ValueError (HTTP 400); its load is dropped."""
-    from serving.async_engine import EngineOverloaded
-    from serving.engine import SamplingParams
-    from serving.router import WorkerFailed
-
     for status, kind in ((400, WorkerFailed), (503, EngineOverloaded)):
         router = _router_with(status, "transfer params refused: stale params")
         with pytest.raises(kind, match="stale params"):
@@ -78,30 +80,36 @@ def _two_of_each(dead: str | None):
     def handler(request):
         url = f"http://{request.url.host}"
         calls[url, request.url.path] += 1
+        assert request.headers["authorization"] == f"Bearer {SECRET}"
         if url == dead:
             return httpx.Response(503, json={"detail": "engine stopped: boom",
                                              "engine_dead": True})
         if request.url.path == "/stats":
-            return httpx.Response(200, json={})
+            return httpx.Response(200, json=STATS[url[7]])
+        if request.url.path in ("/sources", "/peer_lost"):
+            calls[url, request.url.path, request.content] += 1
+            return httpx.Response(200, json={"ok": True})
         if request.url.path == "/prefill":
             return httpx.Response(200, json={
-                "token_ids": [7], "logprobs": None, "finish_reason": None,
-                "stop_reason": None, "transfer": {"agent": "a", "lease": "l", "items": []}})
+                "token_ids": [7], "logprobs": [{"7": -0.25}], "finish_reason": None,
+                "stop_reason": None, "transfer": TICKET})
         return httpx.Response(200, text=json.dumps({
             "new_token_ids": [8], "finished": True, "finish_reason": "length",
-            "stop_reason": None}) + "\n")
+            "stop_reason": None, "logprobs": [{"8": -0.5, "3": -1.5}]}) + "\n")
 
     router = Router(["http://p0", "http://p1"], ["http://d0", "http://d1"],
-                    max_model_len=64, max_logprobs=0)
-    router._client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+                    secret=SECRET, max_model_len=64, max_logprobs=0)
+    router._client = httpx.AsyncClient(transport=httpx.MockTransport(handler), headers=router._client.headers)
     router._ensure_polling = lambda: None
     return router, calls
 
 
+STATS = {"p": {"agent": "prefill-a", "transfer_address": ["127.0.0.1", 9000]},
+         "d": {"agent": "decode-a", "transfer_address": ["127.0.0.1", 9100]}}
+
+
 async def _serve(router, n):
     """n requests one after another; the exception or the tokens of each."""
-    from serving.engine import SamplingParams
-
     out = []
     for i in range(n):
         try:
@@ -116,8 +124,6 @@ def test_a_prefill_worker_whose_engine_died_is_no_longer_picked():
     """Its 503 says the engine stopped (not that it is full): the request that met it
     fails as WorkerFailed, the worker is marked down, and the next requests all go to
     the live one. A health poll finds it down too."""
-    from serving.router import WorkerFailed
-
     router, calls = _two_of_each(dead="http://p0")
     out = asyncio.run(_serve(router, 6))
     failed = [o for o in out if isinstance(o, Exception)]
@@ -142,21 +148,23 @@ def test_a_decode_worker_whose_engine_died_is_passed_over():
 def test_no_live_decode_worker_fails_the_request():
     """With every decode worker's engine stopped the request fails as WorkerFailed, not
     as an overloaded server retried for the whole retry window."""
-    from serving.router import WorkerFailed
-
-    router, _ = _two_of_each(dead="http://d0")
+    router, calls = _two_of_each(dead="http://d0")
     router.decode.urls.remove("http://d1")
     del router.decode.load["http://d1"]
     [err] = asyncio.run(_serve(router, 1))
     assert isinstance(err, WorkerFailed) and "engine stopped" in str(err)
+    # now that the router knows it is down, the next request is refused before its prefill
+    prefills = calls["http://p0", "/prefill"] + calls["http://p1", "/prefill"]
+    [err] = asyncio.run(_serve(router, 1))
+    assert isinstance(err, Unavailable) and "no decode worker is live" in str(err)
+    assert calls["http://p0", "/prefill"] + calls["http://p1", "/prefill"] == prefills
 
 
 def test_a_decode_worker_that_refuses_connections_is_passed_over():
     """A refused connection never reached the worker, so the request goes on to the other
-    decode worker; with none left it fails as WorkerFailed. Loads return to zero."""
+    decode worker; with none left a request is refused at once (Unavailable, 503). Loads
+    return to zero."""
     import httpx
-
-    from serving.router import WorkerFailed
 
     router, calls = _two_of_each(dead=None)
     handler = router._client._transport.handler
@@ -166,21 +174,19 @@ def test_a_decode_worker_that_refuses_connections_is_passed_over():
             raise httpx.ConnectError("connection refused", request=request)
         return handler(request)
 
-    router._client = httpx.AsyncClient(transport=httpx.MockTransport(refusing))
+    router._client = httpx.AsyncClient(transport=httpx.MockTransport(refusing), headers=router._client.headers)
     assert asyncio.run(_serve(router, 3)) == [[7, 8]] * 3
     assert "http://d0" in router._down() and router.decode.load == {"http://d0": 0, "http://d1": 0}
     router.decode.urls.remove("http://d1")
     del router.decode.load["http://d1"]
-    [err] = asyncio.run(_serve(router, 1))
-    assert isinstance(err, WorkerFailed) and "connection refused" in str(err)
+    [err] = asyncio.run(_serve(router, 1))  # known to be gone: refused before its prefill
+    assert isinstance(err, Unavailable) and "connection refused" in str(err)
 
 
 def test_a_cancelled_decode_start_drops_its_load():
     """The caller going away while the decode worker has not answered yet must not leave
     the worker counted as busier."""
     import httpx
-
-    from serving.engine import SamplingParams
 
     router, _ = _two_of_each(dead=None)
     handler = router._client._transport.handler
@@ -190,7 +196,7 @@ def test_a_cancelled_decode_start_drops_its_load():
             await asyncio.sleep(10)
         return handler(request)
 
-    router._client = httpx.AsyncClient(transport=httpx.MockTransport(slow))
+    router._client = httpx.AsyncClient(transport=httpx.MockTransport(slow), headers=router._client.headers)
 
     async def main():
         task = asyncio.create_task(router.add("r", [1, 2, 3], SamplingParams(max_tokens=2)))
@@ -201,3 +207,67 @@ def test_a_cancelled_decode_start_drops_its_load():
 
     asyncio.run(main())
     assert router.decode.load == {"http://d0": 0, "http://d1": 0}
+
+
+def test_the_least_loaded_worker_is_picked():
+    router = Router(["http://p0", "http://p1", "http://p2"], ["http://d"], secret=SECRET,
+                    max_model_len=64, max_logprobs=0)
+    router.prefill.load.update({"http://p0": 3, "http://p1": 1, "http://p2": 2})
+    assert {router.prefill.pick() for _ in range(6)} == {"http://p1"}
+    assert router.prefill.pick(exclude={"http://p1"}) == "http://p2"
+    assert router.prefill.pick(exclude=set(router.prefill.urls)) is None
+
+
+def test_logprobs_keep_their_int_token_ids_through_the_router():
+    """The decode frames are typed: token ids keyed as JSON strings come back as ints."""
+    router, _ = _two_of_each(dead=None)
+
+    async def go():
+        stream = await router.add("r", [1, 2, 3], SamplingParams(max_tokens=2, logprobs=1))
+        return [o async for o in stream][-1]
+
+    out = asyncio.run(go())
+    assert out.logprobs == [{7: -0.25}, {8: -0.5, 3: -1.5}]
+
+
+def test_decode_workers_are_given_the_prefill_sources_first_and_again_after_a_restart():
+    """A decode worker pulls only from sources the router registered: they are posted
+    before its first request, not again while they hold, and again once it restarted
+    (its agent changed)."""
+    router, calls = _two_of_each(dead=None)
+    asyncio.run(_serve(router, 4))
+    posted = {k: v for k, v in calls.items() if len(k) == 3 and k[1] == "/sources"}
+    assert set(posted.values()) == {1} and {k[0] for k in posted} <= {"http://d0", "http://d1"}
+    assert all(b'"127.0.0.1",9000' in k[2] for k in posted)
+    d0 = {**STATS["d"], "agent": "decode-restarted"}
+    router._saw("http://d0", d0)
+    router._registered.pop("http://d1", None)
+    asyncio.run(_serve(router, 4))
+    again = {k: v for k, v in calls.items() if len(k) == 3 and k[1] == "/sources"}
+    assert sum(again.values()) > sum(posted.values())
+
+
+def test_a_decode_worker_that_refuses_connections_has_its_leases_freed():
+    """A refused connection means the process is gone: the prefill workers are told to
+    free the leases its agent claimed."""
+    import httpx
+
+    router, calls = _two_of_each(dead=None)
+    router._saw("http://d0", STATS["d"])
+    handler = router._client._transport.handler
+
+    def refusing(request):
+        if request.url.host == "d0" and request.url.path != "/sources":
+            raise httpx.ConnectError("connection refused", request=request)
+        return handler(request)
+
+    router._client = httpx.AsyncClient(transport=httpx.MockTransport(refusing), headers=router._client.headers)
+
+    async def go():
+        await router.poll_workers()
+        await asyncio.sleep(0.1)  # the notices go out as tasks
+
+    asyncio.run(go())
+    lost = {k for k in calls if len(k) == 3 and k[1] == "/peer_lost"}
+    assert {k[0] for k in lost} == {"http://p0", "http://p1"}
+    assert all(b'"decode-a"' in k[2] for k in lost) and "http://d0" in router._down()

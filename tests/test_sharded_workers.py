@@ -6,8 +6,9 @@ hands each request's KV blocks and GDN state to a decode worker split EP2 (one h
 part, a copy on each of two devices) and to an unsharded one: the decode side reads
 the parts of rows its own split needs (``serving.kv_transfer.pull_items``).  Every
 greedy request must give the single-device aggregated engine's tokens (same preset
-and seed), the pools must return to full, and a source record that claims blocks the
-lease did not pin must be refused before anything is read.
+and seed), and the pools must return to full. (What the decode side reads comes from
+the lease's own description, answered to its claim; that reads stay inside the pinned
+bytes is test_transfer_manager's.)
 
 Without workers, in a child process with 8 host devices (this file as a script): the
 worker's registered cache on a mesh has the engine's shardings and layout, and the XLA
@@ -22,13 +23,13 @@ import os
 import subprocess
 import sys
 
-import httpx
 import pytest
 from host_devices import child_records
-from test_disagg import Stack, bucket_flags, pools_full, prompts, run_all
+from test_disagg import SECRET, Stack, bucket_flags, pools_full, prompts, run_all
 
 from serving.engine import SamplingParams
 from serving.engine.buckets import Buckets
+from serving import secret as shared_secret
 from serving.router import Router
 from serving.ports import free_port
 
@@ -50,7 +51,7 @@ class MeshStack(Stack):
     def __init__(self, workers):
         self.procs, self.urls, self.mesh = {}, {"prefill": [], "decode": []}, {}
         self.env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-                    "JAX_PLATFORMS": "cpu"}
+                    "JAX_PLATFORMS": "cpu", shared_secret.ENV: SECRET}
         for role, mesh in workers:
             self.mesh[self.start(role, mesh)] = " ".join(mesh) or "single device"
         self.wait()
@@ -89,8 +90,8 @@ def test_greedy_tokens_across_meshes_equal_single_device(stack, reference, recor
     want = [o.token_ids for o in reference.generate(batch, params)]
     per_request = {}
     for d in stack.urls["decode"]:
-        outs = asyncio.run(run_all(Router(stack.urls["prefill"], [d], max_model_len=256,
-                                          max_logprobs=0), batch, params))
+        outs = asyncio.run(run_all(Router(stack.urls["prefill"], [d], secret=SECRET,
+                                          max_model_len=256, max_logprobs=0), batch, params))
         errors = [o for o in outs if isinstance(o, BaseException)]
         assert not errors, (stack.mesh[d], errors[:3])
         assert [o.token_ids for o in outs] == want, stack.mesh[d]
@@ -102,26 +103,6 @@ def test_greedy_tokens_across_meshes_equal_single_device(stack, reference, recor
     # TP2 -> one head part cuts every KV and state row in two; EP2 writes both copies
     assert per_request["--ep 2"] == 2 * per_request["single device"], per_request
     assert pools_full(stack, stack.urls["prefill"] + stack.urls["decode"]) is True
-
-
-def test_source_record_reaching_past_the_lease_is_refused(stack):
-    p, d = stack.urls["prefill"][0], stack.urls["decode"][0]
-    params = {"max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
-    prompt = prompts(1, seed=40)[0]
-    first = httpx.post(f"{p}/prefill", json={"request_id": "tamper", "prompt_token_ids": prompt,
-                                             "params": params}, timeout=60).json()
-    transfer, cache = first["transfer"], first["transfer"]["cache"]
-    unpinned = next(b for b in range(2**20) if b not in cache["blocks"])
-    body = {"request_id": "tamper", "prompt_token_ids": prompt,
-            "first_token": first["token_ids"][-1], "params": params}
-    for forged in ({**cache, "blocks": [unpinned, *cache["blocks"][1:]]},
-                   {**cache, "slot": (cache["slot"] + 1) % LIMITS["max_num_seqs"]}):
-        r = httpx.post(f"{d}/decode", json={**body, "transfer": {**transfer, "cache": forged}},
-                       timeout=60)
-        assert r.status_code == 400 and "not pinned" in r.json()["detail"], r.text
-    r = httpx.post(f"{d}/decode", json={**body, "transfer": transfer}, timeout=60)
-    assert r.status_code == 200 and '"error"' not in r.text, r.text  # the lease still serves
-    assert pools_full(stack, [p, d]) is True
 
 
 # ---- the registered cache on a mesh (8 host devices, in a child process) ---------------
@@ -160,7 +141,7 @@ def _cache_child() -> None:
     from serving.engine.capacity import allocate_cache
     from serving.kv_transfer import allocate_registered_cache, shard_regions
     from serving.llm import load_model, model_config
-    from serving.worker import _param_bytes
+    from serving.worker.common import param_bytes
 
     cfg = model_config("tiny-moe")
     for key, (ep, tp) in CACHE_MESHES.items():
@@ -180,9 +161,9 @@ def _cache_child() -> None:
             same_shardings=all(getattr(cache, k).sharding == getattr(xla, k).sharding
                                for k in ("kv", "conv", "ssm")),
             same_layout=layout == xla_layout,
-            param_bytes=_param_bytes("tiny-moe", "float32", ep, tp),
+            param_bytes=param_bytes("tiny-moe", "float32", ep, tp),
             device_param_bytes=max(held.values()),
-            single_param_bytes=_param_bytes("tiny-moe", "float32"))), flush=True)
+            single_param_bytes=param_bytes("tiny-moe", "float32"))), flush=True)
 
 
 if __name__ == "__main__":

@@ -320,7 +320,8 @@ def _serving_child() -> None:
             while pre.has_unfinished():
                 pre.step()
             req = pre.requests[rid]
-            did, blocks, slot = dec.add_remote_request(prompt, req.output_token_ids[0], greedy)
+            did = dec.add_remote_request(prompt, req.output_token_ids[0], greedy)
+            [(_, blocks, slot)] = dec.reserve_transfers()
             src_regions, src_layout = shard_regions(pre.runner.cache)
             dst_regions, dst_layout = shard_regions(dec.runner.cache)
             src_items, dst_items = stream_items(src_layout, req.block_ids, req.slot, dst_layout,

@@ -13,6 +13,7 @@ from transfer import Agent, TransferManager, allocate, host_view
 BLOCK, BLOCKS, SLOT, SLOTS = 64 << 10, 128, 256 << 10, 4
 COMPAT = {"model": "test", "block_bytes": BLOCK, "slot_bytes": SLOT}
 SEED = 7
+SECRET = "the processes' shared secret"
 
 
 def make_manager(seed=None):
@@ -21,7 +22,7 @@ def make_manager(seed=None):
     if seed is not None:
         for r, data in zip(regions, pattern(seed)):
             host_view(r)[:] = data
-    return TransferManager(Agent(list(regions)), COMPAT)
+    return TransferManager(Agent(list(regions)), COMPAT, secret=SECRET)
 
 
 def pattern(seed):
@@ -105,7 +106,7 @@ def test_pulls_between_processes_copy_bytes_and_free_leases(puller, source):
         ([100], 0, [40], 3),
     ]
     params = [source.pin(blocks(b) + [("ssm", s * SLOT, SLOT)]) for b, s, _, _ in requests]
-    ids = [puller.pull(p, blocks(lb) + [("ssm", ls * SLOT, SLOT)])
+    ids = [puller.pull(puller.claim(p), blocks(lb) + [("ssm", ls * SLOT, SLOT)])
            for p, (_, _, lb, ls) in zip(params, requests)]
     done = wait(puller, ids)
     assert [done[i].error for i in ids] == [None] * 3
@@ -116,19 +117,19 @@ def test_pulls_between_processes_copy_bytes_and_free_leases(puller, source):
         np.testing.assert_array_equal(local_kv[dst_blocks], kv.reshape(BLOCKS, BLOCK)[src_blocks])
         np.testing.assert_array_equal(local_ssm[dst_slot], ssm.reshape(SLOTS, SLOT)[src_slot])
     freed = {source.expect("freed")[1:] for _ in params}
-    assert freed == {(p["lease"], "done") for p in params}
+    assert freed == {(p.lease, "done") for p in params}
 
 
 def test_unpulled_lease_expires_in_the_source_process(source):
     params = source.pin(blocks([0]), ttl=0.2)
-    assert source.expect("freed")[1:] == (params["lease"], "expired")
+    assert source.expect("freed")[1:] == (params.lease, "expired")
 
 
 def test_dead_source_process_is_reported_as_peer_gone(puller, source):
     """Last in this module: it kills the shared source process."""
-    params = source.pin(blocks([1, 2]))
+    claim = puller.claim(source.pin(blocks([1, 2])))
     source.commands.put(("die",))
     source.process.join(30)
-    pid = puller.pull(params, blocks([1, 2]), timeout=10.0)
+    pid = puller.pull(claim, blocks([1, 2]), timeout=10.0)
     assert wait(puller, [pid])[pid].error.kind == "peer_gone"
     assert puller.pending == 0

@@ -1,20 +1,29 @@
-"""Decode-worker bookkeeping without processes or NIXL: ``Worker._tick`` and
-``Worker.confirmation`` on a fake-model engine and stand-ins for the transfer manager
-(tests/test_disagg.py runs real workers)."""
+"""Worker bookkeeping without processes or NIXL: ``DecodeWorker``'s claims, queue and
+ticks, ``PrefillWorker.prefill`` and the workers' HTTP API, on a fake-model engine and
+stand-ins for the transfer manager (tests/test_disagg.py runs real workers)."""
 import asyncio
 import collections
+import threading
 from types import SimpleNamespace
 
 import pytest
 from test_engine_fake_model import FakeBatch, FakeCache, FakeModel, reference_next
 
-from serving.async_engine import EngineDead
+from serving.async_engine import AsyncEngine
 from serving.engine import Engine, EngineConfig, SamplingParams
 from serving.engine.buckets import Buckets
-from serving import worker as worker_mod
+from serving.errors import EngineDead, EngineOverloaded, TransferFailed
+from serving.kv_transfer import CacheLayout, source_record
+from serving.messages import DecodeRequest, Sampling
+from serving.worker import DecodeWorker, PrefillWorker, build_app
+from serving.worker.prefill import prompt_digest
+from transfer import Claim, HandshakeError, Ticket, TransferParamsError
 from transfer.manager import Completion, TransferError
 
 VOCAB, BLOCK, NUM_BLOCKS, SLOTS = 97, 4, 64, 4
+LAYOUT = CacheLayout(block_bytes=64, conv_slot_bytes=16, ssm_slot_bytes=32, block_size=BLOCK)
+SOURCE = ("127.0.0.1", 9999)
+SECRET = "the workers' shared secret, test"
 
 
 def _engine():
@@ -26,40 +35,83 @@ def _engine():
                   batch_type=FakeBatch)
 
 
-def _transfers(landed=(), completions=(), settled=()):
-    """A stand-in for the transfer manager's owner-side calls, one tick's worth."""
-    return SimpleNamespace(landed=lambda: list(landed), collect=lambda: list(completions),
-                           settled=lambda: list(settled))
+class Transfers:
+    """A stand-in for the transfer manager: what the next tick collects, and a record of
+    the claims made, pulled and released."""
+
+    def __init__(self, claim=None):
+        self.landed_ids, self.completions, self.settled_ids = [], [], []
+        self.claims, self.pulled, self.released = [], [], []
+        self._claim = claim
+
+    def claim(self, ticket, key):
+        self.claims.append((ticket.lease, key, threading.get_ident()))
+        return self._claim(ticket)
+
+    def pull(self, claim, local, timeout, remote_items):
+        self.pulled.append((claim, remote_items, local))
+        return 100 + len(self.pulled)
+
+    def release(self, claim):
+        self.released.append(claim)
+
+    def collect(self):
+        out, self.completions = self.completions, []
+        return out
+
+    def landed(self):
+        out, self.landed_ids = self.landed_ids, []
+        return out
+
+    def settled(self):
+        out, self.settled_ids = self.settled_ids, []
+        return out
 
 
-def _decode_worker_with_a_pull(pull_id):
-    """An engine holding one remote request whose pull is ``pull_id``, a stand-in worker
-    around it, and the lists of requests it failed and confirmations it resolved."""
+def _decode_worker(eng, transfer=None, engine=None):
+    """A DecodeWorker around ``eng`` without cache regions, agent or threads of its own."""
+    w = DecodeWorker.__new__(DecodeWorker)
+    w.transfer_timeout, w.recompute, w.sharded, w.layout = 5.0, False, False, LAYOUT
+    w._sources, w._claims, w._queued = frozenset({SOURCE}), {}, set()
+    w._pulls, w._started, w._draining, w._confirmations = {}, set(), {}, {}
+    w.counters = collections.Counter()
+    w.transfer = transfer or Transfers()
+    w.engine = engine or SimpleNamespace(fail=lambda r, e: w.failed.append(r))
+    w.failed = []
+    return w
+
+
+def _claim_for(prompt, src_blocks=(7, 8, 9), lease="abc.1"):
+    return Claim("prefill-x", lease, 30.0, (), {
+        "cache": source_record(LAYOUT, list(src_blocks), 2, len(prompt))})
+
+
+def _with_a_pull(pull_id):
+    """An engine holding one remote request whose pull is ``pull_id``, a decode worker
+    around it, and the confirmations it resolved."""
     eng = _engine()
     prompt = [5, 6, 7, 8, 9, 10]
-    rid, _, _ = eng.add_remote_request(prompt, reference_next(prompt, VOCAB),
-                                       SamplingParams(max_tokens=8, temperature=0))
-    failed, confirmed = [], []
-    w = SimpleNamespace(
-        recompute=False, _pulls={pull_id: rid}, _started=set(), _draining={},
-        counters=collections.Counter(), transfer=_transfers(),
-        engine=SimpleNamespace(fail=lambda r, e: failed.append(r)),
-        _confirm=lambda r, e=None: confirmed.append((r, e)))
-    return eng, rid, w, failed, confirmed
+    rid = eng.add_remote_request(prompt, reference_next(prompt, VOCAB),
+                                 SamplingParams(max_tokens=8, temperature=0))
+    eng.reserve_transfers()
+    w = _decode_worker(eng)
+    w._pulls[pull_id] = rid
+    confirmed = []
+    w._confirm = lambda r, e=None: confirmed.append((r, e))
+    return eng, rid, w, confirmed
 
 
 @pytest.mark.parametrize("landed", [False, True])
 def test_failed_pull_frees_the_request_at_once(landed):
     """A pull that fails (before or after its READ landed) ends the request with the
     error and returns its blocks and slot: it never decodes from unwritten memory."""
-    eng, rid, w, failed, confirmed = _decode_worker_with_a_pull(7)
-    w.transfer = _transfers(landed=[7] if landed else [])
-    worker_mod.Worker._tick(w, eng)  # the READ landed (or not yet)
-    w.transfer = _transfers(completions=[
-        Completion(7, "lease", TransferError("error", "injected"), 0, 0, 0.0)])
-    worker_mod.Worker._tick(w, eng)
-    assert failed == [rid] and confirmed[0][0] == rid
-    assert isinstance(confirmed[0][1], worker_mod.TransferFailed)
+    eng, rid, w, confirmed = _with_a_pull(7)
+    w.transfer.landed_ids = [7] if landed else []
+    w._tick(eng)  # the READ landed (or not yet)
+    w.transfer.completions = [Completion(7, "lease", TransferError("error", "injected"), 0, 0, 0.0)]
+    w._tick(eng)
+    assert w.failed == [rid] and confirmed[0][0] == rid
+    assert isinstance(confirmed[0][1], TransferFailed)
     assert rid not in eng.requests and not eng.has_unfinished()
     eng.fence.wait_all()
     assert eng.blocks.num_free == NUM_BLOCKS and eng.slots.num_free == SLOTS
@@ -70,14 +122,14 @@ def test_failed_pull_whose_read_runs_on_holds_its_memory_until_the_read_ends():
     """NIXL's UCX backend does not stop a released READ: a pull that timed out with its
     READ in flight (``settled`` False) fails the request at once, but its blocks and slot
     stay out of the pools, where the READ may still write, until ``settled()`` lists it."""
-    eng, rid, w, failed, confirmed = _decode_worker_with_a_pull(7)
-    w.transfer = _transfers(completions=[
-        Completion(7, "lease", TransferError("timeout", "deadline"), 0, 0, 0.0, settled=False)])
-    worker_mod.Worker._tick(w, eng)
-    assert failed == [rid] and isinstance(confirmed[0][1], worker_mod.TransferFailed)
+    eng, rid, w, confirmed = _with_a_pull(7)
+    w.transfer.completions = [
+        Completion(7, "lease", TransferError("timeout", "deadline"), 0, 0, 0.0, settled=False)]
+    w._tick(eng)
+    assert w.failed == [rid] and isinstance(confirmed[0][1], TransferFailed)
     for settled, freed in (([], False), ([7], True)):  # still in flight, then ended
-        w.transfer = _transfers(settled=settled)
-        worker_mod.Worker._tick(w, eng)
+        w.transfer.settled_ids = settled
+        w._tick(eng)
         eng.fence.wait_all()
         assert (eng.blocks.num_free == NUM_BLOCKS) == freed
         assert (eng.slots.num_free == SLOTS) == freed
@@ -94,18 +146,17 @@ def test_recompute_does_not_wait_for_a_read_that_runs_on():
     import numpy as np
     from test_engine_fake_model import reference_greedy
 
-    eng, rid, w, failed, confirmed = _decode_worker_with_a_pull(7)
+    eng, rid, w, confirmed = _with_a_pull(7)
     w.recompute = True
     prompt = eng.requests[rid].prompt_token_ids
     old_blocks, old_slot = list(eng.requests[rid].block_ids), eng.requests[rid].slot
-    w.transfer = _transfers(completions=[
-        Completion(7, "lease", TransferError("timeout", "deadline"), 0, 0, 0.0, settled=False)])
-    worker_mod.Worker._tick(w, eng)
-    assert failed == [] and confirmed == [(rid, None)] and 7 in w._draining
+    w.transfer.completions = [
+        Completion(7, "lease", TransferError("timeout", "deadline"), 0, 0, 0.0, settled=False)]
+    w._tick(eng)
+    assert w.failed == [] and confirmed == [(rid, None)] and 7 in w._draining
     late_read = jax.jit(lambda c: type(c)(c.kv.at[np.asarray(old_blocks)].set(-5),
                                           c.ssm.at[old_slot].set(-5)), donate_argnums=0)
     done, used = {}, set()
-    w.transfer = _transfers()
     for _ in range(100):  # the READ has not ended: settled() stays empty
         if not eng.has_unfinished():
             break
@@ -113,38 +164,170 @@ def test_recompute_does_not_wait_for_a_read_that_runs_on():
             used |= set(eng.requests[rid].block_ids) | {eng.requests[rid].slot + 1000}
         eng.runner.cache = late_read(eng.runner.cache)  # its bytes keep landing
         done.update({o.request_id: o for o in eng.step() if o.finished})
-        worker_mod.Worker._tick(w, eng)
+        w._tick(eng)
     assert done[rid].token_ids == reference_greedy(prompt, 8, VOCAB)
     assert not used & (set(old_blocks) | {old_slot + 1000})
     eng.fence.wait_all()
     assert eng.blocks.num_free == NUM_BLOCKS - len(old_blocks) and eng.slots.num_free == SLOTS - 1
-    w.transfer = _transfers(settled=[7])  # the READ ended
-    worker_mod.Worker._tick(w, eng)
+    w.transfer.settled_ids = [7]  # the READ ended
+    w._tick(eng)
     eng.fence.wait_all()
     assert eng.blocks.num_free == NUM_BLOCKS and eng.slots.num_free == SLOTS and not w._draining
     eng.close()
 
 
+def _request(prompt, first, request_id="r", address=SOURCE, lease="abc.1", **params):
+    return DecodeRequest(request_id=request_id, prompt_token_ids=prompt, first_token=first,
+                         params=Sampling(**{"max_tokens": 8, "temperature": 0.0, **params}),
+                         transfer=Ticket(agent="prefill-x", address=address, lease=lease,
+                                         ttl=30.0))
+
+
+def _serving_decode_worker(claim, max_queued=1024):
+    """A decode worker whose engine thread runs (its ticks included) over a fake model."""
+    eng = _engine()
+    transfers = Transfers(claim)
+    w = _decode_worker(eng, transfers)
+    w.engine = AsyncEngine(eng, max_queued_requests=max_queued, tick=w._tick, on_stop=w._on_stop)
+    return eng, w, transfers
+
+
+def test_decode_claims_off_the_loop_and_the_engine_thread_then_pulls_the_claimed_bytes():
+    """The claim (a socket round trip, a handshake first with a new source) runs in an
+    executor thread; the pull reads the source's own blocks and slot, from the claim."""
+    prompt = [5, 6, 7, 8, 9, 10]
+    first = reference_next(prompt, VOCAB)
+    eng, w, transfers = _serving_decode_worker(lambda t: _claim_for(prompt))
+
+    async def run():
+        stream, confirmed = await w.decode(_request(prompt, first))
+        for _ in range(200):
+            if transfers.pulled:
+                break
+            await asyncio.sleep(0.01)
+        await stream.aclose()
+        return threading.get_ident()
+
+    try:
+        loop_thread = asyncio.run(run())
+    finally:
+        w.engine.shutdown()
+    [(lease, key, thread)] = transfers.claims
+    assert lease == "abc.1" and key == prompt_digest(prompt, first)
+    assert thread not in (loop_thread, w.engine._thread.ident)
+    [(claim, remote, local)] = transfers.pulled
+    assert claim.lease == "abc.1"
+    assert remote[0] == ("kv", 7 * LAYOUT.block_bytes, 2 * LAYOUT.block_bytes)  # blocks 7-8
+    assert ("ssm", 2 * LAYOUT.ssm_slot_bytes, LAYOUT.ssm_slot_bytes) in remote  # slot 2
+
+
+def test_decode_contacts_no_source_the_router_did_not_register():
+    """A ticket naming another address (a forged one, say) is refused before anything is
+    contacted or reserved."""
+    prompt = [5, 6, 7]
+    eng, w, transfers = _serving_decode_worker(lambda t: pytest.fail("contacted"))
+
+    async def run():
+        await w.decode(_request(prompt, 3, address=("10.0.0.1", 80)))
+
+    try:
+        with pytest.raises(TransferParamsError, match="not a prefill worker the router registered"):
+            asyncio.run(run())
+    finally:
+        w.engine.shutdown()
+    assert transfers.claims == [] and w._confirmations == {} and not eng.requests
+
+
+def test_a_lease_of_another_request_is_refused_as_the_clients_mistake():
+    """The source refuses a claim whose key (this request's prompt and first token) is not
+    its lease's, and leaves that lease to its own request: a 400 here, nothing reserved."""
+    from transfer import ClaimError
+
+    def mismatch(ticket):
+        raise ClaimError("mismatch", f"lease {ticket.lease} holds the state of another request")
+
+    eng, w, transfers = _serving_decode_worker(mismatch)
+
+    async def run():
+        await w.decode(_request([5, 6, 7], 3))
+
+    try:
+        with pytest.raises(TransferParamsError, match="another request"):
+            asyncio.run(run())
+    finally:
+        w.engine.shutdown()
+    assert transfers.released == [] and transfers.pulled == [] and not eng.requests
+
+
+def test_decode_from_an_unreachable_source_fails_before_reserving_anything():
+    def unreachable(ticket):
+        raise HandshakeError("connection refused")
+
+    eng, w, transfers = _serving_decode_worker(unreachable)
+
+    async def run():
+        await w.decode(_request([1, 2], 3))
+
+    try:
+        with pytest.raises(TransferFailed, match="unreachable"):
+            asyncio.run(run())
+    finally:
+        w.engine.shutdown()
+    assert w._confirmations == {} and not eng.requests
+
+
+def test_a_full_decode_side_queues_requests_and_an_aborted_one_gives_its_claim_back():
+    """More requests than slots: the rest wait for memory (their claims keep the leases)
+    rather than being refused; one whose client goes away while it waits gives its claim
+    back and never gets memory."""
+    prompts = [[5 + i, 6, 7, 8] for i in range(SLOTS + 2)]
+    claims = {f"abc.{i}": _claim_for(p, lease=f"abc.{i}") for i, p in enumerate(prompts)}
+    eng, w, transfers = _serving_decode_worker(lambda t: claims[t.lease])
+
+    async def run():
+        streams = [(await w.decode(_request(p, reference_next(p, VOCAB), request_id=f"r{i}",
+                                            lease=f"abc.{i}")))[0]
+                   for i, p in enumerate(prompts)]
+        for _ in range(200):
+            if len(transfers.pulled) == SLOTS and w._queued == {f"r{SLOTS}", f"r{SLOTS + 1}"}:
+                break
+            await asyncio.sleep(0.01)
+        queued = await w.engine.call(lambda e: e.metrics()["num_waiting"])
+        await streams[SLOTS].aclose()  # its client went away while it waited
+        for _ in range(200):
+            if transfers.released:
+                break
+            await asyncio.sleep(0.01)
+        released = list(transfers.released)
+        for s in streams:
+            await s.aclose()
+        return queued, released
+
+    try:
+        queued, released = asyncio.run(run())
+    finally:
+        w.engine.shutdown()
+    assert len(transfers.pulled) == SLOTS and queued == 2
+    assert released == [claims[f"abc.{SLOTS}"]]
+    assert f"r{SLOTS}" not in w._confirmations
+
+
 def test_confirmation_wait_ends_when_the_engine_dies():
     """Only the engine thread resolves a pull's confirmation: if it stops, the waiting
-    request gets EngineDead instead of hanging."""
-    import functools
-
-    from serving.async_engine import AsyncEngine
-
+    request gets EngineDead instead of hanging, and unpulled claims are given back."""
     eng = _engine()
 
     def lost():
         raise RuntimeError("device lost")
 
     eng.step = lost
+    w = _decode_worker(eng)
+    w._claims["q"] = "a claim"
 
     async def run():
         fut = asyncio.get_running_loop().create_future()
-        w = SimpleNamespace(_confirmations={"r": (fut, asyncio.get_running_loop())})
-        w._confirm = functools.partial(worker_mod.Worker._confirm, w)
-        aeng = AsyncEngine(eng, on_stop=functools.partial(
-            worker_mod.Worker._fail_confirmations, w))
+        w._confirmations["r"] = (fut, asyncio.get_running_loop())
+        aeng = AsyncEngine(eng, on_stop=w._on_stop)
         try:
             await aeng.add("x", [1, 2, 3], SamplingParams(max_tokens=2))  # its step dies
         except EngineDead:
@@ -156,6 +339,7 @@ def test_confirmation_wait_ends_when_the_engine_dies():
 
     with pytest.raises(EngineDead, match="device lost"):
         asyncio.run(run())
+    assert w.transfer.released == ["a claim"] and w._claims == {}
     eng.close()
 
 
@@ -163,8 +347,6 @@ def test_engine_loop_waits_while_only_transfers_are_pending():
     """A request being filled by a transfer is no step's work: the host loop sleeps
     until woken (the transfer's progress thread does it) instead of stepping in a
     spin that takes the GIL from that thread."""
-    from serving.async_engine import AsyncEngine
-
     eng = _engine()
     steps = []
     step = eng.step
@@ -174,8 +356,9 @@ def test_engine_loop_waits_while_only_transfers_are_pending():
     sp = SamplingParams(max_tokens=4, temperature=0)
 
     async def run():
-        rid, _, _ = await aeng.call(
+        rid = await aeng.call(
             lambda e: e.add_remote_request(prompt, reference_next(prompt, VOCAB), sp))
+        await aeng.call(lambda e: e.reserve_transfers())
         await asyncio.sleep(0.3)
         idle = len(steps)
         await aeng.call(lambda e: e.finish_transfer(rid, ok=False))  # recompute it
@@ -193,28 +376,28 @@ def test_engine_loop_waits_while_only_transfers_are_pending():
 
 def test_duplicate_request_id_on_decode_leaves_the_first_alone():
     first = object()
-    w = SimpleNamespace(_confirmations={"r": first})
-
-    async def run():
-        await worker_mod.Worker.decode(w, "r", [1, 2], 3, SamplingParams(), {})
+    w = _decode_worker(_engine())
+    w._confirmations["r"] = first
 
     with pytest.raises(ValueError, match="duplicate request id r"):
-        asyncio.run(run())
+        asyncio.run(w.decode(_request([1, 2], 3)))
     assert w._confirmations == {"r": first}
 
 
 def test_prefill_cancelled_during_admission_releases_its_hold():
     """A prefill request is held after it finishes (for its lease); one whose caller
     went away while it was being admitted must not stay held."""
-    from serving.async_engine import AsyncEngine
+    from serving.messages import PrefillRequest
 
     eng = _engine()
     aeng = AsyncEngine(eng)
-    w = SimpleNamespace(engine=aeng)
+    w = PrefillWorker.__new__(PrefillWorker)
+    w.engine = aeng
 
     async def run():
-        task = asyncio.ensure_future(worker_mod.Worker.prefill(
-            w, "p1", [5, 6, 7, 8], SamplingParams(max_tokens=4, temperature=0)))
+        task = asyncio.ensure_future(w.prefill(PrefillRequest(
+            request_id="p1", prompt_token_ids=[5, 6, 7, 8],
+            params=Sampling(max_tokens=4, temperature=0.0))))
         await asyncio.sleep(0)  # the add is queued; the task waits for its admission
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -234,81 +417,100 @@ def test_prefill_cancelled_during_admission_releases_its_hold():
         eng.close()
 
 
-def _decode_worker(connect):
-    """A stand-in worker for ``Worker.decode``: a source it has not met, ``connect`` as the
-    handshake, and an engine that records when it is asked to add the request."""
-    calls = []
+# ---- the HTTP API ---------------------------------------------------------------
 
-    async def add(request_id, prompt, params, submit):
-        calls.append(("add", request_id))
-        return "stream"
+def _client(worker):
+    from fastapi.testclient import TestClient
 
-    w = SimpleNamespace(_confirmations={}, engine=SimpleNamespace(add=add),
-                        transfer=SimpleNamespace(knows_source=lambda params: False,
-                                                 connect_source=lambda params: connect(calls)))
-    return w, calls
+    return TestClient(build_app(worker, secret=SECRET, max_body_bytes=4096))
 
 
-def test_decode_shakes_hands_with_a_new_source_off_the_loop_and_the_engine_thread():
-    """The first pull from a new source needs a handshake (a socket round trip, up to
-    2 x 5 s to an unreachable peer): it runs in an executor thread before the request
-    reaches the engine, whose thread would otherwise stall every running request."""
-    import threading
-
-    w, calls = _decode_worker(lambda calls: calls.append(("connect", threading.get_ident())))
-
-    async def run():
-        return await worker_mod.Worker.decode(w, "r", [1, 2], 3, SamplingParams(), {}), \
-            threading.get_ident()
-
-    (stream, _), loop_thread = asyncio.run(run())
-    assert stream == "stream"
-    assert [c[0] for c in calls] == ["connect", "add"]
-    assert calls[0][1] != loop_thread
+AUTH = {"Authorization": f"Bearer {SECRET}"}
+PREFILL = {"request_id": "r", "prompt_token_ids": [1], "params": {}}
 
 
-def test_decode_from_an_unreachable_source_fails_before_reserving_anything():
-    from transfer import HandshakeError
+def test_every_worker_route_requires_the_secret():
+    async def prefill(req):
+        pytest.fail("reached the engine")
 
-    def unreachable(calls):
-        raise HandshakeError("connection refused")
+    worker = SimpleNamespace(role="prefill", engine=SimpleNamespace(check_health=lambda: None),
+                             stats=dict, info=dict, prefill=prefill, peer_lost=pytest.fail)
+    client = _client(worker)
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": SECRET}):
+        for r in (client.get("/health", headers=headers), client.get("/info", headers=headers),
+                  client.get("/stats", headers=headers),
+                  client.post("/prefill", json=PREFILL, headers=headers),
+                  client.post("/peer_lost", json={"agent": "a"}, headers=headers)):
+            assert r.status_code == 401, (headers, r.request.url, r.text)
+    assert client.get("/health", headers=AUTH).status_code == 200
 
-    w, calls = _decode_worker(unreachable)
 
-    async def run():
-        await worker_mod.Worker.decode(w, "r", [1, 2], 3, SamplingParams(), {})
+@pytest.mark.parametrize("body, field", [
+    ({"prompt_token_ids": [1], "params": {}}, "request_id"),
+    ({**PREFILL, "prompt_token_ids": [-1]}, "prompt_token_ids.0"),
+    ({**PREFILL, "prompt_token_ids": [2**40]}, "prompt_token_ids.0"),
+    ({**PREFILL, "prompt_token_ids": ["5"]}, "prompt_token_ids.0"),
+    ({**PREFILL, "prompt_token_ids": []}, "prompt_token_ids"),
+    ({**PREFILL, "params": {"max_tokens": 0}}, "params.max_tokens"),
+    ({**PREFILL, "params": {"temperature": "hot"}}, "params.temperature"),
+    ({**PREFILL, "items": [["kv", 0, 10]]}, "items"),
+])
+def test_malformed_worker_bodies_are_400s_naming_the_field(body, field):
+    async def prefill(req):
+        pytest.fail("reached the engine")
 
-    with pytest.raises(worker_mod.TransferFailed, match="unreachable"):
-        asyncio.run(run())
-    assert calls == [] and w._confirmations == {}
+    worker = SimpleNamespace(role="prefill", engine=SimpleNamespace(check_health=lambda: None),
+                             prefill=prefill)
+    r = _client(worker).post("/prefill", json=body, headers=AUTH)
+    assert r.status_code == 400 and r.json()["detail"].startswith(field + ":"), r.json()
+
+
+def test_a_decode_body_names_no_items_or_cache_record():
+    """What a decode worker reads comes from its claim: a body that tries to name blocks,
+    slots or byte items is refused whole."""
+    async def decode(req):
+        pytest.fail("reached the worker")
+
+    worker = SimpleNamespace(role="decode", engine=SimpleNamespace(check_health=lambda: None),
+                             decode=decode)
+    body = _request([1, 2], 3).model_dump(mode="json")
+    for forged in ({**body["transfer"], "items": [["kv", 0, 64]]},
+                   {**body["transfer"], "cache": {"blocks": [3], "slot": 1}}):
+        r = _client(worker).post("/decode", json={**body, "transfer": forged}, headers=AUTH)
+        assert r.status_code == 400 and "Extra inputs are not permitted" in r.json()["detail"]
+
+
+def test_an_oversized_body_is_refused_unread():
+    async def prefill(req):
+        pytest.fail("reached the engine")
+
+    worker = SimpleNamespace(role="prefill", engine=SimpleNamespace(check_health=lambda: None),
+                             prefill=prefill)
+    big = {**PREFILL, "prompt_token_ids": [1] * 5000}
+    assert _client(worker).post("/prefill", json=big, headers=AUTH).status_code == 413
 
 
 def test_a_worker_whose_engine_stopped_says_so_on_every_endpoint_the_router_reads():
     """/stats (the router's health poll) and /prefill answer 503 with engine_dead, which
     the router takes as "stop sending here" (a full engine's 503 does not carry it)."""
-    from fastapi.testclient import TestClient
-
-    from serving.async_engine import EngineOverloaded
-
     def stopped():
         raise EngineDead("engine stopped: boom")
 
-    async def prefill(*a, **k):
+    async def prefill(req):
         stopped()
 
     worker = SimpleNamespace(role="prefill", engine=SimpleNamespace(check_health=stopped),
                              stats=dict, prefill=prefill)
-    client = TestClient(worker_mod.build_app(worker))
-    for r in (client.get("/stats"), client.get("/health"),
-              client.post("/prefill", json={"request_id": "r", "prompt_token_ids": [1],
-                                            "params": {}})):
+    client = _client(worker)
+    for r in (client.get("/stats", headers=AUTH), client.get("/health", headers=AUTH),
+              client.post("/prefill", json=PREFILL, headers=AUTH)):
         assert r.status_code == 503 and r.json() == {"detail": "engine stopped: boom",
                                                      "engine_dead": True}
 
-    async def full(*a, **k):
+    async def full(req):
         raise EngineOverloaded("no free slot")
 
     worker.engine.check_health, worker.prefill = (lambda: None), full
-    assert client.get("/stats").status_code == 200
-    r = client.post("/prefill", json={"request_id": "r", "prompt_token_ids": [1], "params": {}})
+    assert client.get("/stats", headers=AUTH).status_code == 200
+    r = client.post("/prefill", json=PREFILL, headers=AUTH)
     assert r.status_code == 503 and "engine_dead" not in r.json()

@@ -6,19 +6,23 @@ Knows regions, offsets and lengths, never models or requests (it imports nothing
 * ``memory``: regions that jitted JAX code updates in place at a fixed address;
 * ``descriptors``: items -> as few NIXL descriptors as the layout allows;
 * ``agent``: a NIXL agent (UCX) with its regions registered once;
-* ``handshake``: side channel for metadata and the compatibility check;
+* ``handshake``: side channel for metadata, the compatibility check and claims, behind
+  the workers' shared secret;
 * ``drain``: failed pulls whose READ still runs, held until NIXL ends it;
-* ``lease``: the source's leases: bytes pinned until the puller is done with them;
-* ``manager``: pin under a lease, pull (READ) with notification, timeouts, failure reports;
+* ``lease``: the source's leases: bytes pinned until their claimant is done with them;
+* ``ticket``: what a source hands a puller, and what claiming it returns;
+* ``manager``: pin under a lease, claim, pull (READ) with notification, timeouts, failure
+  reports;
 * ``progress``: a thread that runs the manager's protocol while its owner is busy.
 
 At start-up, per worker::
 
     kv, kv_region = allocate("kv", kv_shape, jnp.bfloat16)    # one region per cache pool
-    manager = TransferManager(Agent([kv_region, ...]), compat={"model": ..., ...})
+    manager = TransferManager(Agent([kv_region, ...]), compat={"model": ...}, secret=secret)
 
-then the prefill side ``manager.pin(items, on_free=...)`` and hands the returned params to
-the decode side, which calls ``manager.pull(params, its_items)``. A ``ProgressThread(manager,
+then the prefill side ``manager.pin(items, on_free=..., meta=...)`` and hands the returned
+ticket to the decode side, which calls ``manager.claim(ticket)`` (what the lease pinned,
+from the source itself) and ``manager.pull(claim, its_items)``. A ``ProgressThread(manager,
 on_ready)`` on each side answers messages at once; the engine thread calls
 ``manager.collect()`` (and ``landed()``) between steps. Items are ``(region name, byte
 offset, byte length)``.
@@ -27,14 +31,16 @@ offset, byte length)``.
 from transfer.agent import Agent
 from transfer.descriptors import DescriptorError, Plan, coalesce, plan
 from transfer.handshake import CompatibilityError, HandshakeError, check_compatible
+from transfer.lease import ClaimError
 from transfer.manager import (Completion, Faults, TransferError, TransferManager,
                               TransferParamsError)
 from transfer.memory import AddressMovedError, Region, allocate, free_bytes, host_view, size_xla_pool
 from transfer.progress import ProgressThread
+from transfer.ticket import Claim, Ticket
 
 __all__ = [
-    "AddressMovedError", "Agent", "CompatibilityError", "Completion", "DescriptorError", "Faults",
+    "AddressMovedError", "Agent", "Claim", "ClaimError", "CompatibilityError", "Completion", "DescriptorError", "Faults",
     "HandshakeError", "Plan", "ProgressThread", "Region", "TransferError", "TransferManager",
-    "TransferParamsError", "allocate", "check_compatible", "coalesce", "free_bytes", "host_view",
+    "Ticket", "TransferParamsError", "allocate", "check_compatible", "coalesce", "free_bytes", "host_view",
     "plan", "size_xla_pool",
 ]

@@ -13,6 +13,12 @@ backend runs its worker in UCX's SERIALIZED mode (NIXL's ``src/core/sync.h`` and
 ``makeMtType`` in ``src/plugins/ucx/ucx_utils.cpp``). ``TransferManager`` calls it from its
 owner thread and its progress thread, one call at a time under its own lock; a thread that
 calls it binds itself first (``bind_thread``).
+
+UCX's TCP transport listens on every network device it is allowed; an agent allows only
+``net_devices`` (UCX's ``UCX_NET_DEVICES``: loopback unless the owner names another, such
+as the RDMA device or interface a multi-host deployment transfers over), so a worker's
+memory is not offered on an external interface by default. Shared memory and CUDA IPC are
+not network devices and stay available between processes of one host.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ from transfer.memory import Region, make_current
 
 log = logging.getLogger(__name__)
 
+LOOPBACK = "lo"
+
 
 class PeerDisconnected(RuntimeError):
     """NIXL knows the peer's connection is gone (its process died or it removed us)."""
@@ -39,7 +47,7 @@ class Agent:
     """A NIXL agent with ``regions`` registered on the UCX backend."""
 
     def __init__(self, regions: Sequence[Region], name: str | None = None, num_threads: int = 0,
-                 progress_thread: bool | None = None):
+                 progress_thread: bool | None = None, net_devices: str = LOOPBACK):
         if not regions:
             raise ValueError("an agent needs at least one region")
         names = [r.name for r in regions]
@@ -69,6 +77,12 @@ class Agent:
             # (bench/RESULTS.md, issue 5, one H200). UCX reads it when the agent's context
             # starts; a value already in the environment wins.
             os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
+        given = os.environ.get("UCX_NET_DEVICES")
+        if given not in (None, net_devices):
+            log.warning("UCX_NET_DEVICES=%s in the environment is replaced by %s (name the "
+                        "devices to transfer over with the workers' --transfer-interface)",
+                        given, net_devices)
+        os.environ["UCX_NET_DEVICES"] = net_devices  # read when the agent's UCX context starts
         config = nixl_agent_config(enable_prog_thread=progress_thread, num_threads=num_threads,
                                    backends=["UCX"],
                                    sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)

@@ -1,11 +1,19 @@
-"""Side channel: two agents swap NIXL metadata, region tables and compatibility records.
+"""Side channel: two agents swap NIXL metadata, region tables and compatibility records,
+and a puller claims a lease.
 
-A small HTTP/JSON endpoint (standard library only). The connecting side first fetches the
+A small HTTP/JSON endpoint (standard library only). Every route requires the shared
+secret of the workers (``Authorization: Bearer <secret>``, compared in constant time):
+the metadata lets its holder READ and WRITE every registered region, so a process
+without the secret never gets it (401). The connecting side first fetches the
 server's hello (``GET /hello``) and checks compatibility itself, so a mismatch is reported
 from its own point of view; then it posts its own hello (``POST /hello``), which the server
 checks again before accepting the peer, so a careless client cannot slip through. Both
 sides end up knowing each other: the puller must reach the source's memory, and the source
 must be able to answer the puller's notifications.
+
+``POST /claim`` (``{"lease", "agent", "key"}``, from an agent that has posted its hello)
+binds a lease to the claiming agent and answers what the lease pinned
+(``transfer.lease``): the puller reads exactly that. Bodies over ``MAX_BODY`` bytes are refused (413) unread.
 
 The compatibility record is whatever the two sides must agree on (model, dtypes, block
 size, per-region layouts, ...): any JSON-able dict, compared exactly, key by key.
@@ -17,6 +25,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import hmac
 import json
 import socket
 import threading
@@ -25,14 +34,16 @@ import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 
+from transfer.lease import ClaimError
 from transfer.memory import Region
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 Address = tuple[str, int]
+MAX_BODY = 1 << 20  # bytes: a hello (metadata and region table) or a claim is a few KiB
 
 
 class HandshakeError(RuntimeError):
-    """The peer could not be reached or answered nonsense."""
+    """The peer could not be reached, refused our secret or answered nonsense."""
 
 
 class CompatibilityError(RuntimeError):
@@ -105,12 +116,21 @@ class Hello:
 
 
 class HandshakeServer:
-    """Serves ``hello`` and accepts compatible peers by calling ``on_peer`` (from its own thread)."""
+    """Serves ``hello`` and claims to holders of ``secret``: accepts compatible peers by
+    calling ``on_peer`` and answers claims with ``on_claim(lease, agent, key)`` (a JSON-able
+    dict, or ClaimError), both from its own threads."""
 
-    def __init__(self, hello: Hello, on_peer: Callable[[Hello], None], host: str = "127.0.0.1",
+    def __init__(self, hello: Hello, on_peer: Callable[[Hello], None], *, secret: str,
+                 on_claim: Callable[[str, str, str | None], dict] | None = None,
+                 host: str = "127.0.0.1",
                  port: int = 0):
+        if not secret:
+            raise ValueError("the handshake needs the workers' shared secret")
         self.hello = hello
-        self._on_peer = on_peer
+        self._on_peer, self._on_claim = on_peer, on_claim
+        self._token = _bearer(secret)
+        self._accepted: set[str] = set()  # agents whose hello this server accepted
+        self._lock = threading.Lock()
         self._http = ThreadingHTTPServer((host, port), _handler(self))
         self._http.daemon_threads = True
         self._thread = threading.Thread(target=self._http.serve_forever, args=(0.05,), name="handshake",
@@ -121,6 +141,9 @@ class HandshakeServer:
     def address(self) -> Address:
         host, port = self._http.server_address[:2]
         return host, port
+
+    def authorised(self, header: str | None) -> bool:
+        return header is not None and hmac.compare_digest(header.encode(), self._token.encode())
 
     def _accept(self, body: dict) -> tuple[int, dict]:
         try:
@@ -134,7 +157,24 @@ class HandshakeServer:
             self._on_peer(peer)
         except Exception as e:  # report to the peer rather than kill the server thread
             return 500, {"error": f"could not add peer {peer.agent!r}: {e}"}
+        with self._lock:
+            self._accepted.add(peer.agent)
         return 200, {"agent": self.hello.agent}
+
+    def _claim(self, body) -> tuple[int, dict]:
+        if not (isinstance(body, dict) and set(body) == {"lease", "agent", "key"}
+                and isinstance(body["lease"], str) and isinstance(body["agent"], str)
+                and isinstance(body["key"], (str, type(None)))):
+            return 400, {"error": "a claim is {\"lease\": str, \"agent\": str, "
+                                  "\"key\": str | null}"}
+        with self._lock:
+            known = body["agent"] in self._accepted
+        if not known or self._on_claim is None:
+            return 403, {"error": f"agent {body['agent'][:100]!r} has not shaken hands here"}
+        try:
+            return 200, self._on_claim(body["lease"], body["agent"], body["key"])
+        except ClaimError as e:
+            return 409, {"error": e.detail, "kind": e.kind}
 
     def close(self) -> None:
         if self._thread.is_alive():
@@ -143,9 +183,15 @@ class HandshakeServer:
             self._thread.join()
 
 
+def _bearer(secret: str) -> str:
+    return f"Bearer {secret}"
+
+
 def _handler(server: HandshakeServer):
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):
+            if not self._authorised():
+                return
             if self.path == "/hello":
                 self._reply(200, server.hello.to_json())
             elif self.path == "/ping":
@@ -154,13 +200,29 @@ def _handler(server: HandshakeServer):
                 self._reply(404, {"error": f"no route {self.path}"})
 
         def do_POST(self):
-            if self.path != "/hello":
+            if not self._authorised():
+                return
+            routes = {"/hello": server._accept, "/claim": server._claim}
+            if self.path not in routes:
                 return self._reply(404, {"error": f"no route {self.path}"})
             try:
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                length = int(self.headers.get("Content-Length", 0))
+            except ValueError:
+                return self._reply(400, {"error": "bad Content-Length"})
+            if not 0 <= length <= MAX_BODY:
+                return self._reply(413, {"error": f"bodies are at most {MAX_BODY} bytes"})
+            try:
+                body = json.loads(self.rfile.read(length))
             except ValueError as e:
                 return self._reply(400, {"error": f"bad JSON: {e}"})
-            self._reply(*server._accept(body))
+            self._reply(*routes[self.path](body))
+
+        def _authorised(self) -> bool:
+            if server.authorised(self.headers.get("Authorization")):
+                return True
+            self.close_connection = True  # the body, if any, is never read
+            self._reply(401, {"error": "the workers' shared secret is required"})
+            return False
 
         def _reply(self, status: int, body: dict):
             data = json.dumps(body).encode()
@@ -176,18 +238,32 @@ def _handler(server: HandshakeServer):
     return Handler
 
 
-def exchange(address: Address, hello: Hello, timeout: float = 5.0) -> Hello:
+def exchange(address: Address, hello: Hello, secret: str, timeout: float = 5.0) -> Hello:
     """Handshake with the server at ``address``: returns its hello once both sides agree.
 
     Raises CompatibilityError on a mismatch (checked here first, then by the server) and
-    HandshakeError if the peer is unreachable or refuses.
+    HandshakeError if the peer is unreachable or refuses (our secret among other things).
     """
     url = f"http://{address[0]}:{address[1]}/hello"
-    peer = Hello.from_json(_request(urllib.request.Request(url), timeout))
+    auth = {"Authorization": _bearer(secret)}
+    peer = Hello.from_json(_request(urllib.request.Request(url, headers=auth), timeout))
     check_compatible(hello.compat, peer.compat, f"peer {peer.agent!r} at {address[0]}:{address[1]}")
     body = json.dumps(hello.to_json()).encode()
-    _request(urllib.request.Request(url, body, {"Content-Type": "application/json"}), timeout)
+    _request(urllib.request.Request(url, body, {"Content-Type": "application/json", **auth}),
+             timeout)
     return peer
+
+
+def claim(address: Address, secret: str, lease: str, agent: str, key: str | None,
+          timeout: float = 5.0) -> dict:
+    """Claim ``lease`` (whose key is ``key``) for ``agent`` from the source at ``address``:
+    what the lease pinned (the source's ``on_claim`` answer). ClaimError if the source
+    refuses the claim, HandshakeError if it cannot be asked."""
+    url = f"http://{address[0]}:{address[1]}/claim"
+    body = json.dumps({"lease": lease, "agent": agent, "key": key}).encode()
+    return _request(urllib.request.Request(url, body, {"Content-Type": "application/json",
+                                                       "Authorization": _bearer(secret)}),
+                    timeout)
 
 
 def _request(req: urllib.request.Request, timeout: float) -> dict:
@@ -199,9 +275,11 @@ def _request(req: urllib.request.Request, timeout: float) -> dict:
             detail = json.loads(e.read())
         except ValueError:
             detail = {"error": str(e)}
-        if e.code == 409:  # the server's "local" is our "remote"
+        if e.code == 409 and "field" in detail:  # the server's "local" is our "remote"
             raise CompatibilityError(detail.get("field", "?"), detail.get("remote", _MISSING),
                                      detail.get("local", _MISSING), f"peer at {req.full_url}") from None
+        if e.code == 409 and detail.get("kind") in ("stale", "claimed", "mismatch"):
+            raise ClaimError(detail["kind"], str(detail.get("error"))) from None
         raise HandshakeError(f"{req.full_url}: {e.code} {detail.get('error')}") from None
     except (urllib.error.URLError, OSError, ValueError) as e:
         raise HandshakeError(f"{req.full_url}: {e}") from None

@@ -2,23 +2,30 @@
 
 Source side (prefill)::
 
-    params = mgr.pin(items, on_free=callback)   # JSON-able; travels to the puller
+    ticket = mgr.pin(items, on_free=callback, meta={...})  # a Ticket; travels to the puller
     ...                                          # call mgr.poll() regularly
     # callback(lease_id, reason) runs from poll() or collect(): "done", "expired",
     # "dropped" (the puller gave up), or from unpin(lease, reason)
 
 Puller side (decode)::
 
-    pull_id = mgr.pull(params, local_items, timeout=10.0)  # READs the pinned items
+    claim = mgr.claim(ticket)                    # blocking: asks the source what it pinned
+    pull_id = mgr.pull(claim, local_items, timeout=10.0)  # READs the pinned items
     # or, remote_items=[...]: ranges inside the pinned items, in the order of local_items
+    # (mgr.release(claim) gives up a claim never pulled)
     for c in mgr.poll(): ...                     # Completion: ok, or error.kind
                                                  # "error" | "timeout" | "peer_gone" | "stale"
                                                  # (or collect(), see Threading below)
     mgr.landed()                                 # pulls whose bytes are in place, ack pending:
                                                  # usable, but nothing derived may escape yet
 
-Messages ride on NIXL notifications (UCX active messages), so no second channel is needed
-once the handshake is done:
+The claim is an authenticated HTTP round trip to the source's handshake endpoint
+(``transfer.handshake``): the source binds the lease to the claiming agent and answers the
+items it pinned and the owner's ``meta``, so a puller reads what the source pinned and
+nothing a client named (``transfer.lease``). A claim not yet pulled is extended like a
+pending pull, so a puller may hold one while it waits for memory. The other messages ride
+on NIXL notifications (UCX active messages), and the source honours them only from the
+lease's claimant:
 
 * the READ carries ``done <lease> <tag>``, the tag naming this one pull; NIXL delivers it
   only after the data has landed. A READ's notification can be lost (seen on CPU/UCX when
@@ -44,9 +51,10 @@ Failures arrive as completions within the pull's timeout (plus one poll): a NIXL
 ("peer_gone"). After a failed pull the destination bytes are undefined, and a READ still
 in flight may go on writing them: such a pull completes with ``settled`` False, and
 ``settled()`` lists it once NIXL has ended the READ (``transfer.drain`` says why).
-Parameters that are malformed, point outside the peer's regions, or name an agent that
-is not (or no longer) the peer at the given address are refused by ``pull()`` with
-``TransferParamsError`` before anything is posted.
+A ticket that names an agent that is not (or no longer) the peer at its address, or an
+incompatible peer, is refused by ``claim()`` with ``TransferParamsError``, and a lease the
+source no longer holds (or another agent claimed) with ``ClaimError``; items outside the
+claimed ones are refused by ``pull()`` with ``TransferParamsError``; nothing is posted.
 
 Threading: ``poll()`` is two halves, so that a source answers ``done`` at once even while
 its owner is busy (a worker's engine thread, inside a prefill step of hundreds of ms):
@@ -59,7 +67,8 @@ its owner is busy (a worker's engine thread, inside a prefill step of hundreds o
   (which give memory back to an engine that only its own thread may touch) and returns the
   completions; ``landed()`` and ``settled()`` likewise.
 
-``pin``, ``unpin``, ``pull``, ``connect`` and ``peer_lost`` belong to the owner as well. All
+``pin``, ``unpin``, ``pull``, ``release`` and ``peer_lost`` belong to the owner as well;
+``claim`` and ``connect`` block on sockets and may run on any thread. All
 state is guarded by one lock, and every NIXL call is made under it, so calls into the agent
 never overlap; NIXL's STRICT mode would serialise them anyway (``transfer.agent``). The
 handshake thread only queues the pullers it accepted, and ``progress()`` loads their
@@ -82,8 +91,9 @@ from transfer import descriptors
 from transfer.agent import Agent, PeerDisconnected
 from transfer.drain import Drains
 from transfer.handshake import (Address, CompatibilityError, HandshakeError, HandshakeServer, Hello,
-                                exchange, ping)
-from transfer.lease import ID as LEASE_ID, Leases
+                                claim as claim_lease, exchange, ping)
+from transfer.lease import Leases
+from transfer.ticket import Claim, Ticket
 
 log = logging.getLogger(__name__)
 
@@ -163,19 +173,30 @@ class _Pull:
     marks: dict = dataclasses.field(default_factory=dict)  # phase -> monotonic time it ended
 
 
+@dataclasses.dataclass
+class _Open:
+    """A claim not yet pulled: extended every third of its TTL until pulled or released."""
+
+    claim: Claim
+    next_extend: float
+
+
 class TransferManager:
     """Leases, pulls and the handshake endpoint of one agent.
 
-    ``compat`` is this side's compatibility record (see ``transfer.handshake``); the
-    endpoint serves on ``host:port`` (0: any free port) from construction until ``close()``;
+    ``compat`` is this side's compatibility record (see ``transfer.handshake``); ``secret``
+    the workers' shared secret, which the endpoint requires of every peer and this side
+    presents to others; the endpoint serves on ``host:port`` (0: any free port) from
+    construction until ``close()``;
     ``lease_ttl`` is the default lease lifetime in seconds; ``faults`` injects failures.
     ``opened`` is set whenever the owner pins or pulls, so a progress thread that idles
     between polls can wake up at once (``transfer.progress``).
     """
 
-    def __init__(self, agent: Agent, compat: dict, *, host: str = "127.0.0.1", port: int = 0,
-                 lease_ttl: float = 30.0, faults: Faults | None = None):
+    def __init__(self, agent: Agent, compat: dict, *, secret: str, host: str = "127.0.0.1",
+                 port: int = 0, lease_ttl: float = 30.0, faults: Faults | None = None):
         self.agent = agent
+        self._secret = secret
         self.lease_ttl = lease_ttl
         self.faults = faults or Faults()
         self._hello = Hello(agent.name, agent.metadata(), agent.regions, compat)
@@ -186,6 +207,7 @@ class TransferManager:
         self._pull_ids = itertools.count()
         self._leases = Leases(self._epoch)  # the source side
         self._pulls: dict[int, _Pull] = {}
+        self._open: dict[tuple[str, str], _Open] = {}  # (agent, lease) -> a claim not yet pulled
         self._zombies: list = []  # handles NIXL would not release yet
         self._done: list[Completion] = []  # completed but not yet returned by collect()
         # failed pulls whose kind waits on a ping of their peer, which progress() sends
@@ -196,7 +218,8 @@ class TransferManager:
         self._proven: set[str] = set()  # peers with a completed pull: connection fully set up
         self._lock = threading.Lock()  # guards all of the above and every NIXL call
         self.opened = threading.Event()
-        self._server = HandshakeServer(self._hello, self._incoming.put, host, port)
+        self._server = HandshakeServer(self._hello, self._incoming.put, secret=secret,
+                                       on_claim=self._grant, host=host, port=port)
 
     # ---- peers ---------------------------------------------------------------------------
 
@@ -213,7 +236,7 @@ class TransferManager:
         handshake does not hold its event loop); the thread binds itself first, since UCX
         picks a connection's transports by the calling thread's CUDA device.
         """
-        peer = exchange(tuple(address), self._hello, timeout)  # a socket round trip: unlocked
+        peer = exchange(tuple(address), self._hello, self._secret, timeout)  # unlocked
         self.agent.bind_thread()
         with self._lock:
             self._add_peer(peer)
@@ -226,10 +249,15 @@ class TransferManager:
             self._peers[peer.agent] = peer
 
     def peer_lost(self, name: str) -> None:
-        """The owner learnt that peer ``name`` is gone: fail its pulls and forget it."""
+        """The owner learnt that peer ``name`` is gone: fail its pulls, free the leases it
+        claimed (their ``on_free`` runs from ``collect()``, reason "peer_gone") and forget
+        it."""
         with self._lock:
+            self._leases.free_claimed_by(name, PEER_GONE)
             for p in [p for p in self._pulls.values() if p.peer == name]:
                 self._fail(p, PEER_GONE, f"peer {name} declared lost", notify=False)
+            for key in [k for k in self._open if k[0] == name]:
+                del self._open[key]  # pulled later, they fail at once: the peer is gone
             known = self._peers.pop(name, None)
             self._addresses.pop(name, None)
             self._proven.discard(name)
@@ -239,20 +267,30 @@ class TransferManager:
     # ---- source side ---------------------------------------------------------------------
 
     def pin(self, items: Iterable, on_free: Callable[[str, str], None] | None = None,
-            ttl: float | None = None) -> dict:
+            ttl: float | None = None, meta: dict | None = None,
+            key: str | None = None) -> Ticket:
         """Hold ``items`` (``(region, offset, length)``, in stream order) under a new lease.
 
-        Returns the transfer parameters for a puller. ``on_free(lease_id, reason)`` runs
-        exactly once, on the owner's thread, from ``collect()`` (or ``poll()``, or ``unpin``),
-        when the bytes may be reused.
+        Returns the ticket a puller claims the lease with; a claim that presents ``key``
+        is answered ``items`` and ``meta`` (JSON-able: what the puller needs to map the
+        items onto its own memory).
+        ``on_free(lease_id, reason)`` runs exactly once, on the owner's thread, from
+        ``collect()`` (or ``poll()``, or ``unpin``), when the bytes may be reused.
         """
         items = descriptors.validate(items, self.agent.regions, "pinned")
         ttl = self.lease_ttl if ttl is None else float(ttl)
         with self._lock:
-            lease = self._leases.pin(ttl, on_free)
+            lease = self._leases.pin(ttl, on_free, [list(x) for x in items], dict(meta or {}),
+                                     key)
         self.opened.set()
-        return {"agent": self.agent.name, "address": list(self.address), "lease": lease,
-                "items": [list(x) for x in items], "ttl": ttl}
+        return Ticket(agent=self.agent.name, address=self.address, lease=lease, ttl=ttl)
+
+    def _grant(self, lease: str, agent: str, key: str | None) -> dict:
+        """A claim from ``agent`` (the handshake server's thread): bind the lease to it and
+        answer what the lease pins; ClaimError if it cannot have it."""
+        with self._lock:
+            held = self._leases.claim(lease, agent, time.monotonic(), key)
+            return {"items": held.items, "meta": held.meta, "ttl": held.ttl}
 
     def unpin(self, lease: str, reason: str = "released") -> bool:
         """Free a lease now (request aborted, say); False if it was no longer held."""
@@ -270,62 +308,75 @@ class TransferManager:
 
     # ---- puller side ---------------------------------------------------------------------
 
-    def pull(self, params: dict, local_items: Sequence, timeout: float = 10.0,
-             remote_items: Sequence | None = None) -> int:
-        """Start READing a lease's bytes into ``local_items``; returns the pull id that its
-        completion (``collect()``) and ``landed()`` report.
+    def claim(self, ticket: Ticket, key: str | None = None, timeout: float = 5.0) -> Claim:
+        """Claim the lease of ``ticket``, whose key is ``key``, from its source: what it
+        pinned, for ``pull``.
 
-        The bytes read are the pinned items in stream order, or ``remote_items``: byte
-        ranges inside the pinned ones, in the order the puller needs (a peer whose cache
-        is split differently reads parts of rows, and some of them more than once).
-
-        Connects to the source first if it is unknown and ``params`` carry its address (a
-        blocking handshake, once per peer). Raises TransferParamsError (nothing posted)
-        for malformed, out-of-bounds or stale parameters, for remote items outside the
-        pinned ones and for an incompatible source; an unreachable source is reported as a
-        "peer_gone" completion instead.
+        Shakes hands first with a source this manager does not know (a socket round trip
+        each, up to ``timeout``; any thread, but not one that must not block). Raises
+        TransferParamsError for a stale or incompatible source (or one whose answer does
+        not describe its own regions), ClaimError if the source refuses the claim and
+        HandshakeError if it cannot be reached.
         """
-        agent, lease, pinned, ttl, address = _parse(params)
-        started = time.monotonic()
+        peer = self._resolve(ticket.agent, ticket.address)
+        answer = claim_lease(ticket.address, self._secret, ticket.lease, self.agent.name, key,
+                             timeout)
         try:
-            peer = self._resolve(agent, address)
-        except HandshakeError as e:  # a runtime failure, not the caller's mistake
-            with self._lock:
-                return self._failed_at_once(
-                    lease, TransferError(PEER_GONE, f"source unreachable: {e}"))
+            if not (isinstance(answer, dict) and isinstance(answer.get("meta"), dict)
+                    and isinstance(answer.get("items"), list)
+                    and isinstance(answer.get("ttl"), (int, float)) and answer["ttl"] > 0):
+                raise descriptors.DescriptorError(f"malformed claim answer {str(answer)[:200]}")
+            items = tuple(descriptors.validate(answer["items"], peer.regions, "claimed"))
+        except descriptors.DescriptorError as e:
+            raise TransferParamsError(f"source {ticket.agent}: {e}") from None
+        claim = Claim(ticket.agent, ticket.lease, float(answer["ttl"]), items, answer["meta"])
+        with self._lock:
+            self._open[(claim.agent, claim.lease)] = _Open(claim, time.monotonic() + claim.ttl / 3)
+        self.opened.set()
+        return claim
+
+    def release(self, claim: Claim) -> None:
+        """Give up a claim that will not be pulled: the source frees the lease now."""
+        with self._lock:
+            if self._open.pop((claim.agent, claim.lease), None) is not None and \
+                    claim.agent in self._peers:
+                self._send(claim.agent, f"drop {claim.lease}")
+
+    def pull(self, claim: Claim, local_items: Sequence, timeout: float = 10.0,
+             remote_items: Sequence | None = None) -> int:
+        """Start READing a claimed lease's bytes into ``local_items``; returns the pull id
+        that its completion (``collect()``) and ``landed()`` report.
+
+        The bytes read are the claimed items in stream order, or ``remote_items``: byte
+        ranges inside the claimed ones, in the order the puller needs (a peer whose cache
+        is split differently reads parts of rows, and some of them more than once).
+        Raises TransferParamsError (nothing posted) for local items outside this agent's
+        regions, remote items outside the claimed ones, or a claim already pulled; a
+        source lost since the claim is reported as a "peer_gone" completion instead.
+        """
+        started = time.monotonic()
         with self._lock:  # only the owner adds pulls: the answer holds until _start below
-            if any(p.lease == lease and p.peer == agent for p in self._pulls.values()):
-                raise TransferParamsError(f"lease {lease!r} of {agent} is already being pulled")
+            if any(p.lease == claim.lease and p.peer == claim.agent for p in self._pulls.values()):
+                raise TransferParamsError(f"lease {claim.lease!r} of {claim.agent} is already "
+                                          f"being pulled")
+            peer = self._peers.get(claim.agent)
+            if peer is None:
+                self._open.pop((claim.agent, claim.lease), None)
+                return self._failed_at_once(claim.lease, TransferError(
+                    PEER_GONE, f"source {claim.agent} was lost since the claim"))
         try:  # planning reads only this pull's arguments and immutable region tables: unlocked
             if remote_items is None:
-                remote_items = pinned
+                remote_items = claim.items
             else:
-                descriptors.check_inside(remote_items, pinned, peer.regions)
+                descriptors.check_inside(remote_items, claim.items, peer.regions)
             plan = descriptors.plan(local_items, self.agent.regions, remote_items, peer.regions)
         except descriptors.DescriptorError as e:
             raise TransferParamsError(str(e)) from None
         with self._lock:
-            pull_id = self._start(agent, lease, plan, ttl, started, timeout)
+            self._open.pop((claim.agent, claim.lease), None)
+            pull_id = self._start(claim.agent, claim.lease, plan, claim.ttl, started, timeout)
         self.opened.set()
         return pull_id
-
-    def knows_source(self, params) -> bool:
-        """Whether ``params`` name a source this manager has shaken hands with (False for
-        malformed params: ``pull`` reports those)."""
-        try:
-            agent = _parse(params)[0]
-        except TransferParamsError:
-            return False
-        with self._lock:
-            return agent in self._peers
-
-    def connect_source(self, params) -> None:
-        """The handshake ``pull`` would make with a new source (a socket round trip, up to
-        2 x 5 s to an unreachable one), for a caller that must not block on it where it
-        pulls (a worker's engine thread). Raises as ``pull`` would: TransferParamsError
-        for malformed, stale or incompatible params, HandshakeError if unreachable."""
-        agent, _, _, _, address = _parse(params)
-        self._resolve(agent, address)
 
     def _start(self, agent: str, lease: str, plan: descriptors.Plan, ttl: float, started: float,
                timeout: float) -> int:
@@ -359,13 +410,11 @@ class TransferManager:
         self._done.append(Completion(pull_id, lease, error, 0, 0, 0.0))
         return pull_id
 
-    def _resolve(self, agent: str, address: Address | None) -> Hello:
+    def _resolve(self, agent: str, address: Address) -> Hello:
         with self._lock:
             peer = self._peers.get(agent)
         if peer is not None:
             return peer
-        if address is None:
-            raise TransferParamsError(f"unknown source agent {agent!r} and no address to reach it")
         try:
             found = self.connect(address)
         except CompatibilityError as e:
@@ -482,7 +531,7 @@ class TransferManager:
     def busy(self) -> bool:
         """Whether a lease or a pull is open, so a message may be due any moment (or a
         failed READ is draining)."""
-        return bool(self._leases or self._pulls or self._suspects or self._drains)
+        return bool(self._leases or self._pulls or self._open or self._suspects or self._drains)
 
     # ---- progress ------------------------------------------------------------------------
 
@@ -542,6 +591,10 @@ class TransferManager:
             elif p.read_done and p.ack is None and now >= p.next_done:
                 self._send(p.peer, f"done {p.lease} {p.tag}")
                 p.next_done = now + RESEND
+        for o in self._open.values():  # claims waiting to be pulled keep their leases
+            if now >= o.next_extend:
+                self._send(o.claim.agent, f"extend {o.claim.lease}")
+                o.next_extend = now + o.claim.ttl / 3
         for p in [p for p in self._pulls.values() if p.queued]:
             if p.peer in self._proven or not self._in_flight(p.peer, but=p):
                 p.queued = False
@@ -600,9 +653,9 @@ class TransferManager:
             ok = self._leases.done(lease, sender, parts[2])
             self._send(sender, f"ack {lease} {parts[2]} {'ok' if ok else 'stale'}")
         elif kind == "extend":
-            self._leases.extend(lease, now)
+            self._leases.extend(lease, sender, now)
         elif kind == "drop":
-            self._leases.free(lease, "dropped")
+            self._leases.drop(lease, sender)
         elif kind == "ack" and len(parts) == 4:
             for p in self._pulls.values():
                 if p.peer == sender and p.tag == parts[2]:  # acks of earlier pulls are ignored
@@ -629,28 +682,3 @@ class TransferManager:
             self._drains.close()
             self._pulls.clear()
             self.agent.close()
-
-
-def _parse(params) -> tuple[str, str, list, float, Address | None]:
-    """Check the shape of transfer parameters; TransferParamsError names what is wrong."""
-    if not isinstance(params, dict):
-        raise TransferParamsError(f"transfer params must be a dict, got {type(params).__name__}")
-    for key, kind in (("agent", str), ("lease", str), ("items", list), ("ttl", (int, float))):
-        if key not in params:
-            raise TransferParamsError(f"transfer params: missing {key!r}")
-        if not isinstance(params[key], kind) or isinstance(params[key], bool):
-            raise TransferParamsError(f"transfer params: {key!r} has type {type(params[key]).__name__}")
-    if params["ttl"] <= 0:
-        raise TransferParamsError(f"transfer params: 'ttl' must be positive, got {params['ttl']}")
-    if not LEASE_ID.fullmatch(params["lease"]):
-        # the lease travels in space-separated notifications: one the source cannot
-        # parse back would leave the pull to time out
-        raise TransferParamsError(f"transfer params: 'lease' must be <epoch>.<n>, got "
-                                  f"{params['lease'][:40]!r}")
-    address = params.get("address")
-    if address is not None:
-        if not (isinstance(address, (list, tuple)) and len(address) == 2
-                and isinstance(address[0], str) and isinstance(address[1], int)):
-            raise TransferParamsError(f"transfer params: 'address' must be [host, port], got {address!r}")
-        address = (address[0], address[1])
-    return params["agent"], params["lease"], params["items"], float(params["ttl"]), address

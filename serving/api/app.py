@@ -8,14 +8,20 @@ A request is checked completely (body schema, then model-dependent limits)
 before any of it reaches the backend, and all of its engine requests are
 admitted before the answer starts, so errors are plain HTTP errors (400, 503)
 and never a broken stream. A client that disconnects aborts its requests.
+Bodies over `max_request_bytes` are refused (413) before they are read whole,
+and prompts are tokenized on a worker thread, so a huge prompt stalls no other
+stream and no health check. With `api_key`, the /v1 routes require
+`Authorization: Bearer <api_key>` (401), as `vllm serve --api-key` does.
 """
 
 import contextlib
+import hmac
 import time
 import uuid
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from serving.api import errors, render
 from serving.api.backend import Backend
@@ -26,8 +32,11 @@ from serving.api.protocol import (ChatCompletionChunk, ChatCompletionRequest,
                                   ChatCompletionResponse, CompletionRequest, CompletionResponse,
                                   ErrorResponse, ModelCard, ModelList)
 from serving.api.text import Tokenizer
+from serving.body_limit import DEFAULT_MAX_BYTES, BodyLimit
 
 _ERRORS = {400: {"model": ErrorResponse, "description": "Invalid request"},
+           401: {"model": ErrorResponse, "description": "Missing or wrong API key"},
+           413: {"model": ErrorResponse, "description": "Request body too large"},
            500: {"model": ErrorResponse, "description": "The engine failed"},
            503: {"model": ErrorResponse, "description": "Overloaded: too many queued requests"}}
 
@@ -59,7 +68,8 @@ class EventStream(StreamingResponse):
 
 
 def build_app(backend: Backend, tokenizer: Tokenizer, model_name: str, *,
-              model_path: str | None = None) -> FastAPI:
+              model_path: str | None = None, api_key: str | None = None,
+              max_request_bytes: int = DEFAULT_MAX_BYTES) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
@@ -69,6 +79,15 @@ def build_app(backend: Backend, tokenizer: Tokenizer, model_name: str, *,
                   description="vLLM-style OpenAI API over the qwen35-jax engine.",
                   lifespan=lifespan)
     errors.install(app)
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes, error=errors.error_body_of)
+    expected = None if api_key is None else f"Bearer {api_key}".encode()
+
+    async def authorised(request: Request) -> None:
+        given = request.headers.get("authorization", "").encode()
+        if expected is not None and not hmac.compare_digest(given, expected):
+            raise errors.APIError("Unauthorized: a valid API key is required", status=401)
+
+    keyed = [Depends(authorised)]
     limits = Limits(model_name=model_name, max_model_len=backend.max_model_len,
                     max_logprobs=backend.max_logprobs, vocab_size=tokenizer.vocab_size)
     metrics = Metrics(model_name, backend.stats)
@@ -91,26 +110,26 @@ def build_app(backend: Backend, tokenizer: Tokenizer, model_name: str, *,
     async def prometheus():
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.get("/v1/models", response_model=ModelList)
+    @app.get("/v1/models", response_model=ModelList, dependencies=keyed)
     async def models():
         return ModelList(data=[ModelCard(id=model_name, root=model_path or model_name,
                                          max_model_len=limits.max_model_len)])
 
-    @app.post("/v1/completions", response_model=CompletionResponse,
+    @app.post("/v1/completions", response_model=CompletionResponse, dependencies=keyed,
               responses={**_ERRORS, **_stream_doc(CompletionResponse)})
     async def completions(body: CompletionRequest, request: Request):
         start = time.perf_counter()
-        jobs = completion_jobs(body, tokenizer, limits)
+        jobs = await run_in_threadpool(completion_jobs, body, tokenizer, limits)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         renderer = render.StreamRenderer(False, f"cmpl-{uuid.uuid4().hex}", model_name, jobs,
                                          tokenizer, echo=body.echo, include_usage=include_usage)
         return await _run(request, jobs, renderer, body.stream, start, echo=body.echo)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
-              responses={**_ERRORS, **_stream_doc(ChatCompletionChunk)})
+              dependencies=keyed, responses={**_ERRORS, **_stream_doc(ChatCompletionChunk)})
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         start = time.perf_counter()
-        jobs = chat_jobs(body, tokenizer, limits)
+        jobs = await run_in_threadpool(chat_jobs, body, tokenizer, limits)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         renderer = render.StreamRenderer(True, f"chatcmpl-{uuid.uuid4().hex}", model_name, jobs,
                                          tokenizer, include_usage=include_usage)

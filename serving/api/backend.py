@@ -10,10 +10,10 @@ the server, so a backend never handles text.
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from serving.async_engine import EngineDead, EngineOverloaded
 from serving.engine import RequestOutput, SamplingParams
+from serving.errors import EngineDead, EngineOverloaded, Unavailable
 
-__all__ = ["Backend", "EngineDead", "EngineOverloaded", "RequestStream"]
+__all__ = ["Backend", "EngineDead", "EngineOverloaded", "RequestStream", "Unavailable"]
 
 
 class RequestStream(Protocol):
@@ -33,7 +33,8 @@ class Backend(Protocol):
                   params: SamplingParams) -> RequestStream:
         """Returns once the request is accepted. Raises ValueError for a
         request it cannot serve, EngineOverloaded when its queue is full,
-        EngineDead when it can serve nothing."""
+        Unavailable when no worker it needs is live now, EngineDead when it
+        can serve nothing."""
 
     async def abort(self, request_id: str) -> None: ...
 

@@ -8,6 +8,7 @@ Starlette's 404/405 are rewritten into this shape (400 for bad bodies).
 """
 
 import logging
+import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -15,8 +16,11 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 log = logging.getLogger(__name__)
+# a union member with a validator of its own, as pydantic names it in an error's path
+_VALIDATED = re.compile(r"^function-(?:after|before|wrap|plain)\[.*, (.+)\]$")
 
-_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError",
+_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+          405: "MethodNotAllowedError", 413: "RequestTooLargeError",
           500: "InternalServerError", 503: "ServiceUnavailableError"}
 
 
@@ -34,6 +38,11 @@ def error_body(message: str, param: str | None, status: int) -> dict:
                       "param": param, "code": status}}
 
 
+def error_body_of(message: str, status: int) -> dict:
+    """An error body that names no field (for middleware, which sees no fields)."""
+    return error_body(message, None, status)
+
+
 def error_response(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
 
@@ -44,7 +53,7 @@ def validation_error(exc: RequestValidationError) -> APIError:
     if not errors:
         return APIError("invalid request body")
     err = errors[0]
-    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+    loc = [_VALIDATED.sub(r"\1", str(x)) for x in err.get("loc", ()) if x != "body"]
     if err.get("type") == "json_invalid":
         return APIError(f"Invalid JSON: {err.get('msg')}")
     # Union members appear in the path under their type names ("list[str]"); keep them,

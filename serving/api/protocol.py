@@ -8,17 +8,32 @@ length, vocabulary, `max_logprobs`) are checked in app.py. Types are strict
 (`"5"` is not an integer) and NaN/infinity are refused: a value that a client
 got wrong is answered with 400, never quietly reinterpreted. Unknown fields are
 kept (`model_extra`) so that prepare.py can refuse the OpenAI/vLLM options the
-engine does not implement instead of silently ignoring them.
+engine does not implement instead of silently ignoring them. Text must be
+Unicode: a lone surrogate (JSON allows "\ud800") cannot be tokenized or
+encoded as UTF-8, so it is refused where it arrives.
 """
 
+import re
 import time
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 MAX_N = 16  # choices per prompt; each is a separate engine request
 
 TokenId = Annotated[int, Field(ge=0)]
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _unicode(text: str) -> str:
+    found = _SURROGATE.search(text)
+    if found:
+        raise ValueError(f"lone surrogate U+{ord(found.group()):04X} at character "
+                         f"{found.start()}: text must be valid Unicode")
+    return text
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
 
 
 class _Body(BaseModel):
@@ -32,24 +47,24 @@ class StreamOptions(_Body):
 class _SamplingFields(_Body):
     """Fields shared by completions and chat completions."""
 
-    model: str | None = None
+    model: Text | None = None
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1, description="-1 or 0: off")
     min_p: float | None = Field(None, ge=0, le=1)
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Text | None = None
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0)
     echo: bool = False
@@ -57,12 +72,12 @@ class CompletionRequest(_SamplingFields):
 
 class TextPart(_Body):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[TextPart] | None = None
+    content: Text | list[TextPart] | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):

@@ -18,6 +18,7 @@ import jax
 from serving.api.app import build_app
 from serving.api.text import Tokenizer, find_tokenizer
 from serving.async_engine import AsyncEngine
+from serving.body_limit import DEFAULT_MAX_BYTES
 from serving.engine.buckets import Buckets
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-logprobs", type=int, default=20)
     p.add_argument("--max-queued-requests", type=int, default=1024,
                    help="requests waiting beyond this are answered 503")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer <key>' on the /v1 routes (401 "
+                        "otherwise), as vllm serve does; default: the environment's "
+                        "VLLM_API_KEY, else no key")
+    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_BYTES,
+                   help="request bodies over this many bytes are refused (413) unread")
     p.add_argument("--prefill-token-buckets", type=_ints, default=None, metavar="T1,T2,...")
     p.add_argument("--prefill-seq-buckets", type=_ints, default=None, metavar="N1,N2,...")
     p.add_argument("--decode-seq-buckets", type=_ints, default=None, metavar="N1,N2,...")
@@ -109,8 +116,14 @@ def build(args) -> tuple:
     engine = AsyncEngine(llm.engine, max_queued_requests=args.max_queued_requests)
     name = args.served_model_name or model
     app = build_app(engine, tokenizer, name, model_path=os.path.abspath(model)
-                    if os.path.isdir(model) else model)
+                    if os.path.isdir(model) else model, api_key=api_key(args),
+                    max_request_bytes=args.max_request_bytes)
     return app, engine
+
+
+def api_key(args) -> str | None:
+    """``--api-key``, else ``VLLM_API_KEY`` from the environment (vLLM's two ways)."""
+    return args.api_key or os.environ.get("VLLM_API_KEY") or None
 
 
 def main(argv=None) -> None:

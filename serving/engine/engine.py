@@ -64,6 +64,7 @@ class Engine:
             raise ValueError(f"max_model_len {c.max_model_len} needs {c.max_blocks_per_seq} "
                              f"blocks, the cache has {c.num_blocks}")
         self.tokenizer = tokenizer
+        self.vocab_size = model.config.vocab_size  # token ids outside it are refused
         self.blocks = BlockPool(c.num_blocks)
         self.slots = SlotPool(c.num_slots)
         self.fence = StepFence()
@@ -107,12 +108,15 @@ class Engine:
         return req.request_id
 
     def add_remote_request(self, prompt_token_ids: list[int], first_token: int,
-                           params: SamplingParams | None = None, request_id: str | None = None):
-        """Reserve memory for a request whose prompt was computed elsewhere.
-        Returns `(request_id, block_ids, slot)` for the transfer to fill, or
-        None if there is no room now; ValueError if `first_token` (the token the
-        prefill side sampled) already ends the request. The request is not
-        scheduled until `finish_transfer`."""
+                           params: SamplingParams | None = None,
+                           request_id: str | None = None) -> str:
+        """Queue a request whose prompt was computed elsewhere, to wait for memory that
+        a transfer fills: `reserve_transfers` hands out its blocks and slot. ValueError
+        if `first_token` (the token the prefill side sampled) is no token or already
+        ends the request. The request is not scheduled until `finish_transfer`."""
+        if not self._is_token(first_token):
+            raise ValueError(f"first token {first_token!r} is not a token id of the vocabulary "
+                             f"(size {self.vocab_size})")
         req = self._new_request(prompt_token_ids, params, request_id)
         # a request its first token already ends would never be reported by a step
         reason, _ = check_stop(dataclasses.replace(req, output_token_ids=[first_token]),
@@ -121,11 +125,15 @@ class Engine:
             del self.requests[req.request_id]
             raise ValueError(f"first token {first_token} already ends the request "
                              f"({reason}): nothing to decode")
-        if not self.scheduler.begin_transfer(req):
-            del self.requests[req.request_id]
-            return None
+        self.scheduler.queue_transfer(req)
         self._append_token(req, first_token, None, time.perf_counter())
-        return req.request_id, list(req.block_ids), req.slot
+        return req.request_id
+
+    def reserve_transfers(self) -> list[tuple[str, list[int], int]]:
+        """`(request_id, block_ids, slot)` of queued remote requests that memory was
+        reserved for now, in arrival order, for their transfers to fill."""
+        return [(r.request_id, list(r.block_ids), r.slot)
+                for r in self.scheduler.reserve_transfers()]
 
     def finish_transfer(self, request_id: str, ok: bool = True) -> None:
         """The transfer into the request's memory completed (ok) or failed (the
@@ -216,7 +224,8 @@ class Engine:
                  warmup_compiles=self.compiles.warmup_compiles,
                  warmup_seconds=self.warmup_seconds,
                  num_preemptions=self.scheduler.num_preemptions,
-                 num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+                 num_running=len(self.scheduler.running),
+                 num_waiting=len(self.scheduler.waiting) + len(self.scheduler.queued_transfers),
                  free_blocks=self.blocks.num_free, free_slots=self.slots.num_free,
                  kv_cache_usage=1 - self.blocks.num_free / self.blocks.num_blocks,
                  kv_bytes_in_use=(self.blocks.num_blocks - self.blocks.num_free)
@@ -234,6 +243,10 @@ class Engine:
 
     def _new_request(self, prompt, params, request_id) -> Request:
         params = params or SamplingParams()
+        bad = next((t for t in prompt if not self._is_token(t)), None)
+        if bad is not None:
+            raise ValueError(f"prompt token {bad!r} is not a token id of the vocabulary "
+                             f"(size {self.vocab_size})")
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise ValueError("empty prompt")
@@ -252,6 +265,12 @@ class Engine:
         req = Request(request_id, prompt, params, seed)
         self.requests[request_id] = req
         return req
+
+    def _is_token(self, t) -> bool:
+        """Whether `t` is a token id: anything else would overflow or index out of the
+        embedding inside a step that serves other requests too."""
+        return isinstance(t, (int, np.integer)) and not isinstance(t, bool) \
+            and 0 <= t < self.vocab_size
 
     def _count(self, sched, x) -> None:
         s = self.stats

@@ -20,6 +20,7 @@ from serving.engine.sampling_params import SamplingParams
 
 class Status(enum.Enum):
     WAITING = "waiting"  # queued; holds no memory (or lost it to preemption)
+    QUEUED_FOR_TRANSFER = "queued_for_transfer"  # computed elsewhere; waits for memory
     WAITING_FOR_TRANSFER = "waiting_for_transfer"  # memory held, being filled remotely
     RUNNING = "running"
     FINISHED = "finished"

@@ -60,6 +60,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order
         self.transferring: dict[str, Request] = {}
+        # requests computed elsewhere, waiting (in arrival order) for memory to be
+        # transferred into: they hold none, so they wait instead of being refused
+        self.queued_transfers: deque[Request] = deque()
         self.num_preemptions = 0
 
     # ---- queue management -------------------------------------------------
@@ -68,8 +71,9 @@ class Scheduler:
         self.waiting.append(req)
 
     def has_work(self) -> bool:
-        """Requests not finished: waiting, running, or being filled by a transfer."""
-        return bool(self.waiting or self.running or self.transferring)
+        """Requests not finished: waiting, running, or waiting for or being filled by a
+        transfer."""
+        return bool(self.waiting or self.running or self.transferring or self.queued_transfers)
 
     def has_steps(self) -> bool:
         """Requests a step can advance (one a transfer is filling waits for its end)."""
@@ -83,6 +87,8 @@ class Scheduler:
             return
         if req.status is Status.WAITING:
             self.waiting.remove(req)
+        elif req.status is Status.QUEUED_FOR_TRANSFER:
+            self.queued_transfers.remove(req)
         elif req.status is Status.RUNNING:
             self.running.remove(req)
         req.finish_reason, req.stop_reason = reason, stop_reason
@@ -110,6 +116,20 @@ class Scheduler:
             self.fence.defer(give_back)
 
     # ---- transfers (disaggregated decode side) ----------------------------
+
+    def queue_transfer(self, req: Request) -> None:
+        """Queue a request whose prompt KV and GDN state a transfer will write, until
+        `reserve_transfers` finds it memory."""
+        req.status = Status.QUEUED_FOR_TRANSFER
+        self.queued_transfers.append(req)
+
+    def reserve_transfers(self) -> list[Request]:
+        """Reserve memory for queued transfers, in arrival order while there is room
+        (the first that does not fit blocks the rest, as for waiting requests)."""
+        reserved = []
+        while self.queued_transfers and self.begin_transfer(self.queued_transfers[0]):
+            reserved.append(self.queued_transfers.popleft())
+        return reserved
 
     def begin_transfer(self, req: Request) -> bool:
         """Reserve blocks and a slot for a request whose prompt KV and GDN state

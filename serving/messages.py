@@ -1,0 +1,113 @@
+"""The messages between the router and the workers, as typed models that both sides use:
+the sender builds one and serialises it, the receiver validates the bytes back into the
+same model. So a field cannot change type on the way (the logprob dicts' int keys,
+strings in JSON, come back as ints) and a worker refuses a malformed or forged body with
+a message naming the field (400) before any of it reaches its engine.
+
+    router ── PrefillRequest ──▶ prefill worker ── PrefillResult ──▶ router
+    router ── DecodeRequest ──▶ decode worker ── DecodeFrame per line (NDJSON) ──▶ router
+    router ── Sources ──▶ decode worker          (the prefill workers it may pull from)
+    router ── PeerLost ──▶ prefill worker        (a decode worker that died)
+
+Token ids are checked against the model's vocabulary by the engine, which knows it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from serving.engine import RequestOutput, SamplingParams
+from transfer import Ticket
+
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+RequestId = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")]
+Logprobs = list[dict[int, float]]  # per token: token id -> logprob (the chosen one included)
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+
+class Sampling(Message):
+    """``SamplingParams`` on the wire, with the engine's ranges as field limits."""
+
+    max_tokens: int = Field(16, ge=1, lt=2**31)
+    temperature: float = Field(1.0, ge=0)
+    top_k: int = Field(0, ge=-1, lt=2**31)
+    top_p: float = Field(1.0, gt=0, le=1)
+    min_p: float = Field(0.0, ge=0, le=1)
+    seed: int | None = Field(None, ge=0, lt=2**32)
+    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=1024)
+    stop: list[Annotated[str, Field(min_length=1, max_length=1024)]] = Field(
+        default_factory=list, max_length=64)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = Field(None, ge=0, lt=2**31)
+
+    @classmethod
+    def of(cls, params: SamplingParams) -> "Sampling":
+        return cls(**dataclasses.asdict(params))
+
+    def params(self) -> SamplingParams:
+        return SamplingParams(**self.model_dump())
+
+
+class PrefillRequest(Message):
+    request_id: RequestId
+    prompt_token_ids: list[TokenId] = Field(min_length=1)
+    params: Sampling
+
+
+class PrefillResult(Message):
+    """The first token and, if the request goes on, the ticket of its pinned cache."""
+
+    token_ids: list[TokenId]
+    logprobs: Logprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    transfer: Ticket | None = None
+
+
+class DecodeRequest(Message):
+    request_id: RequestId
+    prompt_token_ids: list[TokenId] = Field(min_length=1)
+    first_token: TokenId
+    params: Sampling
+    transfer: Ticket
+
+
+class DecodeFrame(Message):
+    """One NDJSON line of a decode stream: the tokens new since the last frame (with
+    their logprobs when asked), or ``error`` ending the stream."""
+
+    new_token_ids: list[TokenId] = Field(default_factory=list)
+    logprobs: Logprobs | None = None
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+    error: str | None = None
+
+    @classmethod
+    def of(cls, out: RequestOutput) -> "DecodeFrame":
+        new = list(out.new_token_ids)
+        return cls(new_token_ids=new, finished=out.finished, finish_reason=out.finish_reason,
+                   stop_reason=out.stop_reason, num_preemptions=out.num_preemptions,
+                   logprobs=out.logprobs[len(out.logprobs) - len(new):]
+                   if out.logprobs is not None else None)
+
+
+class Sources(Message):
+    """The handshake addresses of the prefill workers a decode worker may pull from."""
+
+    addresses: list[tuple[Annotated[str, Field(min_length=1, max_length=255)],
+                          Annotated[int, Field(ge=1, le=65535)]]] = Field(max_length=4096)
+
+
+class PeerLost(Message):
+    """A decode worker's transfer agent that is gone: a prefill worker frees its leases."""
+
+    agent: Annotated[str, Field(min_length=1, max_length=200)]

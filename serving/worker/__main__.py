@@ -1,0 +1,99 @@
+"""``python -m serving.worker``: one prefill or decode worker.
+
+    QWEN35_JAX_SECRET=... python -m serving.worker --role prefill --model tiny --port 8101
+    QWEN35_JAX_SECRET=... python -m serving.worker --role decode  --model tiny --port 8102
+
+``python -m serving`` starts these itself, with a secret of its own; a worker started by
+hand needs the router's shared secret in its environment (``serving.secret``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import uvicorn
+
+from serving.engine import EngineConfig
+from serving.llm import default_dtype, load_model
+from serving.secret import SecretMissing, load as load_secret
+from serving.worker.app import build_app
+from serving.worker.common import param_bytes
+from serving.worker.decode import DecodeWorker
+from serving.worker.prefill import PrefillWorker
+from transfer import size_xla_pool
+from transfer.agent import LOOPBACK
+
+log = logging.getLogger("serving.worker")
+
+
+def parser():
+    from serving.api.server import parser as server_parser
+
+    p = server_parser()
+    p.prog = "python -m serving.worker"
+    p.description = __doc__
+    p.add_argument("--role", required=True, choices=["prefill", "decode"])
+    p.add_argument("--transfer-port", type=int, default=0, help="handshake port (0: any)")
+    p.add_argument("--transfer-interface", default=LOOPBACK,
+                   help="network devices UCX may transfer over and listen on (UCX_NET_DEVICES; "
+                        "default: loopback only), e.g. mlx5_0:1 or eth0 across hosts")
+    p.add_argument("--lease-ttl", type=float, default=30.0,
+                   help="seconds a prefill result stays pinned without a pull")
+    p.add_argument("--transfer-timeout", type=float, default=30.0)
+    p.add_argument("--on-transfer-failure", choices=["error", "recompute"], default="error")
+    p.add_argument("--enable-fault-injection", action="store_true",
+                   help="expose POST /debug/faults (tests only)")
+    return p
+
+
+def main(argv=None):
+    from serving.api.server import engine_kwargs
+    from serving.api.text import Tokenizer, find_tokenizer
+
+    a = parser().parse_args(argv)
+    logging.basicConfig(level=a.log_level.upper(),
+                        format=f"%(asctime)s {a.role} %(levelname)s %(name)s: %(message)s")
+    try:
+        secret = load_secret()
+    except SecretMissing as e:
+        raise SystemExit(f"python -m serving.worker: {e}") from None
+    name = a.model or a.model_tag
+    # The cache regions live beside XLA's pool (transfer/memory.py): size the pool before
+    # JAX starts its GPU client below, for the weights one device of the mesh holds.
+    total = size_xla_pool(param_bytes(name, a.dtype or "bfloat16", a.ep, a.tp),
+                          a.gpu_memory_utilization)
+    if total:
+        log.info("XLA pool: %s of %.1f GiB", os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"],
+                 total / 2**30)
+    dtype = jnp.dtype(a.dtype) if a.dtype else default_dtype()
+    config = EngineConfig(seed=a.seed, **engine_kwargs(a))
+    model = load_model(name, dtype, a.seed, config.mesh())
+    config.eos_token_ids = tuple(model.config.eos_token_ids)
+    t0 = time.perf_counter()
+    common = dict(model_name=name, dtype=dtype, secret=secret, lease_ttl=a.lease_ttl,
+                  host=a.host, transfer_port=a.transfer_port,
+                  transfer_interface=a.transfer_interface,
+                  max_queued_requests=a.max_queued_requests,
+                  tokenizer=Tokenizer(find_tokenizer(name, a.tokenizer)))
+    if a.role == "prefill":
+        worker = PrefillWorker(model, config, **common)
+    else:
+        worker = DecodeWorker(model, config, **common, transfer_timeout=a.transfer_timeout,
+                              recompute_on_failure=a.on_transfer_failure == "recompute")
+    log.info("%s worker ready in %.1f s on %s: http %s:%d, transfer %s", a.role,
+             time.perf_counter() - t0, jax.devices()[0], a.host, a.port,
+             worker.transfer.address)
+    app = build_app(worker, secret=secret, max_body_bytes=a.max_request_bytes,
+                    fault_injection=a.enable_fault_injection)
+    try:
+        uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
+    finally:
+        worker.shutdown()
+
+
+if __name__ == "__main__":
+    main()

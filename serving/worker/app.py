@@ -1,0 +1,149 @@
+"""A worker's HTTP API, for the router only.
+
+    GET  /health, /info, /stats
+    POST /prefill      PrefillRequest -> PrefillResult                (prefill workers)
+    POST /peer_lost    PeerLost: free the leases a gone decode worker claimed  (prefill)
+    POST /decode       DecodeRequest -> NDJSON stream of DecodeFrame   (decode workers)
+    POST /sources      Sources: the prefill workers this one may pull from     (decode)
+    POST /debug/faults with --enable-fault-injection only (tests)
+
+Every route requires the workers' shared secret (``serving.secret``; 401 without it).
+Bodies are validated against ``serving.messages`` (400 naming the field) and limited in
+size (413) before any of them reaches the engine; errors are ``{"detail": ...}``, and a
+503 that says ``engine_dead`` tells the router to stop sending here.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from serving.body_limit import BodyLimit
+from serving.errors import EngineDead, EngineOverloaded, TransferFailed
+from serving.messages import DecodeFrame, DecodeRequest, PeerLost, PrefillRequest, Sources
+from serving.secret import header
+from transfer import TransferParamsError
+
+
+class _Unauthorised(Exception):
+    pass
+
+
+class _Faults(BaseModel):
+    """Pulls to fail, and pulls to leave unposted until their timeout (tests only)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    fail_next: int = Field(0, ge=0)
+    hang_next: int = Field(0, ge=0)
+
+
+async def _body(request: Request, model: type[BaseModel]):
+    """The request's JSON body as ``model`` (strict, as the sender serialised it)."""
+    try:
+        return model.model_validate_json(await request.body())
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(x) for x in first["loc"]) or "body"
+        raise ValueError(f"{where}: {first['msg']}") from None
+
+
+def build_app(worker, *, secret: str, max_body_bytes: int,
+              fault_injection: bool = False) -> FastAPI:
+    expected = header(secret)["Authorization"].encode()
+
+    async def authorised(request: Request) -> None:
+        given = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(given, expected):
+            raise _Unauthorised
+
+    app = FastAPI(title=f"qwen35-jax {worker.role} worker", dependencies=[Depends(authorised)],
+                  docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes,
+                       error=lambda message, status: {"detail": message})
+
+    @app.exception_handler(_Unauthorised)
+    async def _unauthorised(_, e):
+        return JSONResponse({"detail": "the workers' shared secret is required"},
+                            status_code=401)
+
+    @app.exception_handler(EngineOverloaded)
+    async def _overloaded(_, e):
+        return JSONResponse({"detail": str(e)}, status_code=503)
+
+    @app.exception_handler(EngineDead)
+    async def _dead(_, e):
+        # "engine_dead" tells the router to stop sending here, where a full engine's
+        # 503 only says "try another or later"
+        return JSONResponse({"detail": str(e), "engine_dead": True}, status_code=503)
+
+    @app.exception_handler(TransferFailed)
+    async def _unreachable(_, e):  # a source this worker could not reach or that refused
+        return JSONResponse({"detail": str(e)}, status_code=502)
+
+    @app.exception_handler(TransferParamsError)
+    async def _bad_params(_, e):
+        return JSONResponse({"detail": f"transfer params refused: {e}"}, status_code=400)
+
+    @app.exception_handler(ValueError)
+    async def _bad(_, e):
+        return JSONResponse({"detail": str(e)}, status_code=400)
+
+    @app.get("/health")
+    async def health():
+        worker.engine.check_health()
+        return {"ok": True}
+
+    @app.get("/info")
+    async def info():
+        return worker.info()
+
+    @app.get("/stats")
+    async def stats():
+        worker.engine.check_health()  # the router's health poll reads this endpoint
+        return worker.stats()
+
+    if fault_injection:
+        @app.post("/debug/faults")
+        async def faults(request: Request):
+            """Make the next pulls fail (``fail_next``) or hang until timeout (``hang_next``)."""
+            body = await _body(request, _Faults)
+            worker.transfer.faults.fail_next, worker.transfer.faults.hang_next = \
+                body.fail_next, body.hang_next
+            return {"ok": True}
+
+    if worker.role == "prefill":
+        @app.post("/prefill")
+        async def prefill(request: Request):
+            result = await worker.prefill(await _body(request, PrefillRequest))
+            return JSONResponse(result.model_dump(mode="json"))
+
+        @app.post("/peer_lost")
+        async def peer_lost(request: Request):
+            worker.peer_lost((await _body(request, PeerLost)).agent)
+            return {"ok": True}
+    else:
+        @app.post("/sources")
+        async def sources(request: Request):
+            worker.register_sources((await _body(request, Sources)).addresses)
+            return {"ok": True}
+
+        @app.post("/decode")
+        async def decode(request: Request):
+            stream, confirmed = await worker.decode(await _body(request, DecodeRequest))
+
+            async def lines():
+                try:
+                    await confirmed
+                    async for out in stream:
+                        yield DecodeFrame.of(out).model_dump_json() + "\n"
+                except (TransferFailed, EngineDead) as e:
+                    yield DecodeFrame(error=str(e), finished=True).model_dump_json() + "\n"
+                finally:
+                    await stream.aclose()  # a vanished client aborts its request
+
+            return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+    return app

@@ -1,0 +1,232 @@
+"""The decode worker: claims a request's lease from the prefill worker that pinned it,
+READs the pinned bytes into memory of its own, and only then lets the engine schedule
+the request, starting after the prompt with the first token already known; so no token
+is applied to the GDN state twice.
+
+A request's way through (``DecodeWorker``):
+
+1. ``decode`` (event loop): the ticket's source must be a prefill worker the router
+   registered (``register_sources``); nothing else is contacted. The claim (a handshake
+   first, with a source new to this worker) runs in an executor thread, so neither the
+   loop nor the engine thread waits on a socket. The claim presents the digest of this
+   request's prompt and first token, so the source grants only the lease that holds this
+   request's state, and answers what it pins.
+2. ``_admit`` (engine thread): the engine queues the request for memory
+   (``Engine.add_remote_request``); a decode side that is full queues requests (bounded
+   by ``--max-queued-requests``) instead of refusing them, and the claim keeps the lease
+   alive meanwhile.
+3. ``_tick`` (engine thread, between steps): memory reserved for a queued request starts
+   its pull, READing exactly the claimed items (``kv_transfer.pull_items``); a landed
+   READ lets the request decode, and its outputs wait until the source acks.
+
+A failed or timed-out transfer ends the request with an error, or recomputes the prompt
+locally with ``--on-transfer-failure recompute``. A client that disconnects aborts its
+request, queued or not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from serving.errors import TransferFailed
+from serving.kv_transfer import pull_items
+from serving.messages import DecodeRequest
+from serving.worker.common import WorkerBase
+from serving.worker.prefill import prompt_digest
+from transfer import Claim, ClaimError, HandshakeError, TransferParamsError
+
+log = logging.getLogger("serving.worker")
+
+
+class DecodeWorker(WorkerBase):
+    role = "decode"
+
+    def __init__(self, *args, transfer_timeout: float = 30.0,
+                 recompute_on_failure: bool = False, **kw):
+        # set before the base starts the engine thread, whose ticks read them
+        self.transfer_timeout, self.recompute = transfer_timeout, recompute_on_failure
+        self._sources: frozenset[tuple[str, int]] = frozenset()  # registered by the router
+        # request id -> its claim, from before its admission until its pull starts or the
+        # claim is given up; whichever thread pops an entry owns the claim
+        self._claims: dict[str, Claim] = {}
+        self._queued: set[str] = set()  # admitted requests waiting for memory (engine thread)
+        self._pulls: dict[int, str] = {}  # pull id -> request id (engine thread only)
+        self._started: set[int] = set()  # pulls whose request decodes before the ack
+        # failed pulls whose READ may still write into the memory their request gave up
+        # (Engine.abandon_transfer): pull id -> (blocks, slot), freed once the READ ended
+        self._draining: dict[int, tuple[list[int], int | None]] = {}
+        # request id -> (future, its loop), resolved when the transfer is acked or fails
+        # (see `decode`)
+        self._confirmations: dict[str, tuple[asyncio.Future, asyncio.AbstractEventLoop]] = {}
+        super().__init__(*args, **kw)
+
+    def register_sources(self, addresses) -> None:
+        """The prefill workers' handshake addresses this worker may pull from (the router
+        registers them); replaces the previous set."""
+        self._sources = frozenset((str(h), int(p)) for h, p in addresses)
+
+    async def decode(self, req: DecodeRequest):
+        """Claim the request's lease, then queue it for memory and a pull. Returns the
+        engine's output stream and a future that the caller must await before sending any
+        output: it resolves once the source has acked the transfer, or raises
+        TransferFailed.
+
+        Decoding starts as soon as the READ has landed, one ack round trip before the
+        ack; the outputs wait on the future, so none computed from bytes the source had
+        already reused (a "stale" ack) ever leave the worker."""
+        request_id, ticket = req.request_id, req.transfer
+        prompt, first_token = list(req.prompt_token_ids), req.first_token
+        if request_id in self._confirmations:  # its entry is another request's
+            raise ValueError(f"duplicate request id {request_id}")
+        if tuple(ticket.address) not in self._sources:
+            raise TransferParamsError(f"{ticket.address[0]}:{ticket.address[1]} is not a "
+                                      f"prefill worker the router registered")
+        loop = asyncio.get_running_loop()
+        try:
+            claim = await loop.run_in_executor(None, self.transfer.claim, ticket,
+                                               prompt_digest(prompt, first_token))
+        except HandshakeError as e:
+            raise TransferFailed(f"transfer source unreachable: {e}") from None
+        except ClaimError as e:
+            if e.kind == "mismatch":  # the request names a lease of another request
+                raise TransferParamsError(f"lease {ticket.lease}: {e.detail}") from None
+            raise TransferFailed(f"transfer source refused the claim ({e})") from None
+        if request_id in self._confirmations or request_id in self._claims:
+            self.transfer.release(claim)
+            raise ValueError(f"duplicate request id {request_id}")  # taken meanwhile
+        confirmed = loop.create_future()
+        self._confirmations[request_id] = (confirmed, loop)
+        self._claims[request_id] = claim
+        params = req.params.params()
+        try:
+            stream = await self.engine.add(
+                request_id, prompt, params,
+                submit=lambda eng: self._admit(eng, request_id, prompt, first_token, params))
+        except BaseException:
+            # Refused, or the engine died before admitting it: the claim is still ours. A
+            # request admitted before its caller went away is aborted by the engine's
+            # stream, and the tick gives its claim up.
+            claim = self._claims.pop(request_id, None)
+            if claim is not None and request_id not in self._queued:
+                self.transfer.release(claim)
+                self._confirmations.pop(request_id, None)
+            raise
+        return stream, confirmed
+
+    def _admit(self, eng, request_id, prompt, first_token, params) -> None:
+        """Queue the request for memory (engine thread); ValueError refuses it."""
+        if request_id not in self._claims:  # its caller went away before it was admitted
+            raise ValueError(f"request {request_id} was withdrawn")
+        eng.add_remote_request(prompt, first_token, params, request_id)
+        self._queued.add(request_id)
+
+    def _on_stop(self, error: BaseException) -> None:
+        """No pull will be confirmed, and no claim pulled: end them (engine thread)."""
+        for request_id in list(self._confirmations):
+            self._confirm(request_id, error)
+        for request_id in list(self._claims):
+            claim = self._claims.pop(request_id, None)
+            if claim is not None:
+                self.transfer.release(claim)
+
+    def _confirm(self, request_id: str, error: BaseException | None = None) -> None:
+        """Resolve the request's confirmation (engine thread); every pull ends here."""
+        entry = self._confirmations.pop(request_id, None)
+        if entry is None:
+            return
+        future, loop = entry
+
+        def resolve():
+            if not future.done():
+                future.set_result(None) if error is None else future.set_exception(error)
+
+        loop.call_soon_threadsafe(resolve)
+
+    def _fail(self, eng, request_id: str, error: TransferFailed) -> None:
+        """End a request whose transfer cannot go on, and free what it holds."""
+        self.engine.fail(request_id, error)
+        eng.abort(request_id)
+        self._confirm(request_id, error)
+
+    def _start_pulls(self, eng) -> None:
+        """Pulls into the memory reserved for queued requests now; claims of queued
+        requests that were aborted meanwhile are given up."""
+        for request_id, blocks, slot in eng.reserve_transfers():
+            self._queued.discard(request_id)
+            claim = self._claims.pop(request_id, None)
+            if claim is None:  # its caller went away: the abort follows
+                eng.abort(request_id)
+                eng.finish_transfer(request_id, ok=False)
+                continue
+            n = len(eng.requests[request_id].prompt_token_ids)
+            try:
+                remote, local = pull_items(claim.meta.get("cache"), self.layout, blocks, slot, n)
+                self._settle(eng)
+                pull_id = self.transfer.pull(claim, local, timeout=self.transfer_timeout,
+                                             remote_items=remote)
+            except TransferParamsError as e:
+                self.transfer.release(claim)
+                self._fail(eng, request_id, TransferFailed(f"KV/state transfer refused ({e})"))
+                eng.finish_transfer(request_id, ok=False)
+                continue
+            self._pulls[pull_id] = request_id
+        for request_id in [r for r in self._queued if r not in eng.requests]:  # aborted
+            self._queued.discard(request_id)
+            claim = self._claims.pop(request_id, None)
+            if claim is not None:
+                self.transfer.release(claim)
+            self._confirm(request_id, TransferFailed("aborted while waiting for memory"))
+
+    def _tick(self, eng) -> None:
+        """Between steps, on the engine thread: apply what the transfers handed back, then
+        start the pulls that memory is free for."""
+        completions = self.transfer.collect()
+        landed = self.transfer.landed()
+        if not self.recompute:  # (a recompute must not follow tokens already computed)
+            for pull_id in landed:
+                if pull_id in self._pulls:
+                    eng.finish_transfer(self._pulls[pull_id], ok=True)  # decode may start
+                    self._started.add(pull_id)
+        for c in completions:
+            request_id = self._pulls.pop(c.pull_id, None)
+            started = c.pull_id in self._started
+            self._started.discard(c.pull_id)
+            if request_id is None:
+                continue
+            if c.ok:
+                self.counters["transfers"] += 1
+                self.counters["transfer_bytes"] += c.nbytes
+                self.counters["transfer_seconds"] += c.seconds
+                self.counters["transfer_ack_seconds"] += c.phases.get("ack", 0.0)
+                self.counters["transfer_descriptors"] += c.descriptors
+                if not started:
+                    eng.finish_transfer(request_id, ok=True)
+                self._confirm(request_id)
+                continue
+            self.counters["transfer_failures"] += 1
+            log.error("transfer for %s failed: %s", request_id, c.error)
+            if not self.recompute:
+                self._fail(eng, request_id, TransferFailed(f"KV/state transfer failed ({c.error})"))
+                if started:  # it decoded from landed bytes: the abort freed its memory
+                    continue
+            else:
+                self._confirm(request_id)
+            # The request's memory is still the transfer's. A READ that has ended: free
+            # the memory, or recompute the prompt in it. One that may still land bytes
+            # there: the request gives the memory up now (a recompute runs in fresh
+            # memory), and the memory stays out of the pools until the READ has ended.
+            if c.settled:
+                eng.finish_transfer(request_id, ok=False)
+            else:
+                self._draining[c.pull_id] = eng.abandon_transfer(request_id)
+        for pull_id in self.transfer.settled():  # after the completions that it follows
+            memory = self._draining.pop(pull_id, None)
+            if memory is not None:
+                eng.free_memory(memory)
+        self._start_pulls(eng)
+
+    def stats(self) -> dict:
+        return {**super().stats(), "pending_pulls": len(self._pulls),
+                "draining_pulls": len(self._draining), "queued_transfers": len(self._queued)}
+

@@ -1,0 +1,110 @@
+"""The prefill worker: computes a prompt, samples the first token and, if the request goes
+on, pins the prompt's KV blocks and GDN state under a lease for a decode worker.
+
+The lease describes what it pins (``meta``): this side's cache layout and the request's
+blocks and slot (``kv_transfer.source_record``); its key is a digest of the prompt and
+first token whose state it holds (``prompt_digest``), so only a decode worker continuing
+this very request can claim it, and it reads only these bytes. The memory is freed when
+the claimant's READ notification arrives, when the claimant drops the lease, when the
+lease expires, or when the router reports the claimant gone (``peer_lost``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import logging
+
+import numpy as np
+
+from serving.kv_transfer import source_record
+from serving.messages import PrefillRequest, PrefillResult
+from serving.worker.common import WorkerBase
+from transfer import Ticket
+
+log = logging.getLogger("serving.worker")
+
+
+def prompt_digest(prompt: list[int], first_token: int) -> str:
+    """What a lease's state holds: the prompt, then the first token to feed."""
+    data = np.asarray([*prompt, first_token], np.int64).tobytes()
+    return hashlib.sha256(data).hexdigest()
+
+
+class PrefillWorker(WorkerBase):
+    role = "prefill"
+
+    async def prefill(self, req: PrefillRequest) -> PrefillResult:
+        """Prompt -> first token, plus the ticket of its pinned cache when the request
+        continues."""
+        request_id, prompt, params = req.request_id, list(req.prompt_token_ids), req.params.params()
+        first = dataclasses.replace(params, max_tokens=1)
+        try:
+            stream = await self.engine.add(
+                request_id, prompt, first,
+                submit=lambda eng: eng.add_request(prompt, first, request_id,
+                                                   hold_on_finish=True))
+        except asyncio.CancelledError:  # admitted or not: no one would release its hold
+            await self.engine.call(lambda eng: _release_quietly(eng, request_id))
+            raise
+        out = None
+        try:
+            async for out in stream:
+                pass
+        except BaseException:
+            await self.engine.call(lambda eng: _release_quietly(eng, request_id))
+            raise
+        goes_on = out.finish_reason == "length" and params.max_tokens > 1
+        ticket = None
+        if goes_on:
+            ticket = await self.engine.call(
+                lambda eng: self._pin(eng, request_id, prompt, out.token_ids[-1]))
+        else:
+            await self.engine.call(lambda eng: eng.release(request_id))
+        return PrefillResult(token_ids=list(out.token_ids), logprobs=out.logprobs,
+                             finish_reason=None if goes_on else out.finish_reason,
+                             stop_reason=out.stop_reason, transfer=ticket)
+
+    def _pin(self, eng, request_id: str, prompt: list[int], first_token: int) -> Ticket:
+        req = eng.requests[request_id]
+        n = len(prompt)
+        items = self.layout.items(req.block_ids, req.slot, n)
+
+        def on_free(lease: str, reason: str) -> None:
+            if reason == "expired":
+                self.counters["leases_expired"] += 1
+                log.warning("lease %s of %s expired before a decode worker pulled it",
+                            lease, request_id)
+            eng.release(request_id)
+
+        try:
+            self._settle(eng)
+            return self.transfer.pin(
+                items, on_free=on_free, key=prompt_digest(prompt, first_token),
+                meta={"cache": source_record(self.layout, req.block_ids, req.slot, n)})
+        except Exception:
+            eng.release(request_id)
+            raise
+
+    def peer_lost(self, agent: str) -> None:
+        """A decode worker's agent is gone (the router says so): free the leases it
+        claimed now rather than at their expiry; their memory returns at the next tick."""
+        self.transfer.peer_lost(agent)
+        self.engine.wake()
+
+    def _tick(self, eng) -> None:
+        self.transfer.collect()  # runs on_free: leases' memory back to the pools
+
+
+def _release_quietly(eng, request_id: str) -> None:
+    """Free a held prefill request whose caller went away before its lease was made."""
+    req = eng.requests.get(request_id)
+    if req is None:
+        return
+    if req.is_finished:
+        eng.release(request_id)
+    else:
+        eng.abort(request_id)
+        if request_id in eng.requests:
+            eng.release(request_id)

@@ -1,0 +1,45 @@
+"""What a source hands a puller (a ``Ticket``), and what claiming it returns (a ``Claim``).
+
+A ticket travels through hands the transfer layer does not trust (the router, an HTTP
+body), so it names only where the source is and which lease to claim; a forged or
+altered one can at worst name a lease that the source refuses or another agent holds.
+What a pull reads comes from the ``Claim``, which only ``TransferManager.claim`` makes,
+from the source's own answer over the authenticated handshake channel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from transfer.lease import ID as LEASE_ID
+
+# names and leases travel in space-separated notifications: printable, no spaces
+_Word = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[\x21-\x7e]+$")]
+
+
+class Ticket(BaseModel):
+    """The source's agent, its handshake address, the lease and its TTL in seconds."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True, allow_inf_nan=False)
+
+    agent: _Word
+    address: tuple[Annotated[str, Field(min_length=1, max_length=255)],
+                   Annotated[int, Field(ge=1, le=65535)]]
+    lease: Annotated[str, Field(max_length=64, pattern=f"^{LEASE_ID.pattern}$")]
+    ttl: Annotated[float, Field(gt=0, le=86400)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Claim:
+    """A lease this manager's agent has claimed: the source's agent, the lease, its TTL,
+    the items it pins (region, offset, length, in the source's regions) and the owner's
+    description of them (``meta``), all as the source answered."""
+
+    agent: str
+    lease: str
+    ttl: float
+    items: tuple[tuple[str, int, int], ...]
+    meta: dict
