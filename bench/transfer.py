@@ -12,9 +12,10 @@ also proves that the update wrote into the registered memory. For each prompt le
 decode side pulls the request (the prompt's KV blocks plus both state slots) ``--iters``
 times, into consecutive blocks ("contiguous", 3 descriptors) and into a shuffled block
 list ("fragmented", about one descriptor per block), checks the bytes once, and reports
-the median time from ``pull()`` to the source's ack, split into its phases (planning,
-posting the READ, the READ itself, the ack), and the time until the bytes are usable
-(landed: decode starts then, before the ack). Beside it, in the same run, a plain
+the median time from ``claim()`` to the source's ack, split into its phases (the claim,
+an authenticated HTTP round trip to the source; planning, posting the READ, the READ
+itself, the ack), and the time until the bytes are usable (landed: decode starts then,
+before the ack). Beside it, in the same run, a plain
 copy of the same number of bytes: ``np.copyto`` between host buffers on CPU, a
 ``jax.device_put`` from the source's GPU to this one on GPU.
 
@@ -30,6 +31,7 @@ import json
 import math
 import multiprocessing
 import os
+import secrets
 import statistics
 import time
 
@@ -81,7 +83,8 @@ def make_side(args, dev, fill_pattern):
     compat = {"preset": args.preset, "block_size": args.block_size, "ssm_dtype": args.ssm_dtype,
               "row_bytes": {n: b for n, (_, b) in pools(args).items()}}
     progress = {"auto": None, "on": True, "off": False}[args.progress_thread]
-    return arrays, TransferManager(Agent(regions, progress_thread=progress), compat)
+    return arrays, TransferManager(Agent(regions, progress_thread=progress), compat,
+                                   secret=args.secret)
 
 
 def in_place(arrays, manager) -> bool:
@@ -188,20 +191,23 @@ def run(args) -> list[dict]:
                 times, phases, count = [], [], None
                 for params in receive(conn, source):
                     t = time.perf_counter()
-                    pid = manager.pull(params, local_items, timeout=600)
+                    claim = manager.claim(params)
+                    claimed = time.perf_counter()
+                    pid = manager.pull(claim, local_items, timeout=600)
                     c = manager.wait([pid], 600)[pid]
                     times.append(time.perf_counter() - t)
                     if not c.ok:
                         raise RuntimeError(f"pull failed: {c.error}")
                     count = c.descriptors
-                    phases.append(c.phases)
+                    phases.append({"claim": claimed - t, **c.phases})
                 correct = check(arrays, args, tokens, local_blocks)
                 for name in arrays:  # wipe, so the next layout's check proves its own pull
                     arrays[name] = jax.block_until_ready(wipe(arrays[name]))
                 stayed = source_in_place and in_place(arrays, manager)
                 pull_s = statistics.median(times[2:])
                 # decode may start once the bytes land (TransferManager.landed), before the ack
-                usable_s = statistics.median(ph["plan"] + ph["post"] + ph["read"] for ph in phases[2:])
+                usable_s = statistics.median(ph["claim"] + ph["plan"] + ph["post"] + ph["read"]
+                                             for ph in phases[2:])
                 results.append({
                     "device": args.device, "same_device": args.same_device, "preset": args.preset,
                     "tokens": tokens, "layout": layout, "bytes": nbytes, "descriptors": count,
@@ -223,7 +229,7 @@ def run(args) -> list[dict]:
 
 def table(results: list[dict]) -> str:
     lines = ["| tokens | layout | MiB | descriptors | bytes ok, in place | NIXL pull ms (first) "
-             "| plan / post / read / ack ms | NIXL GB/s | plain copy ms | copy GB/s | pull / copy "
+             "| claim / plan / post / read / ack ms | NIXL GB/s | plain copy ms | copy GB/s | pull / copy "
              "| usable ms (landed) | usable / copy |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
@@ -247,6 +253,7 @@ def main(argv=None):
     p.add_argument("--progress-thread", choices=("auto", "on", "off"), default="auto",
                    help="NIXL's progress thread (auto: on for GPU memory, off for host memory)")
     args = p.parse_args(argv)
+    args.secret = secrets.token_urlsafe(32)  # both sides' handshake secret for this run
     print(table(run(args)))
 
 

@@ -133,6 +133,19 @@ def wait_ready(procs, urls, timeout: float, secret: str) -> None:
         time.sleep(0.5)
 
 
+def stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + 15
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
 def supervise(workers: Workers, max_restarts: int, on_give_up, stopping: threading.Event,
               interval: float = 0.5) -> None:
     """Restart workers that exit, on their ports, until ``max_restarts`` restarts in all

@@ -203,7 +203,7 @@ class Router:
             url = self.decode.pick(exclude=tried)
             if url is None:  # every live one is full, or gone
                 if not set(self.decode.urls) - self._down():
-                    raise WorkerFailed(f"no decode worker serves: {self._why(self.decode.urls)}")
+                    raise Unavailable(f"no decode worker is live: {self._why(self.decode.urls)}")
                 if asyncio.get_running_loop().time() >= deadline:
                     raise EngineOverloaded("every decode worker is full")
                 tried = set(self._down())  # again, shortly

@@ -338,3 +338,32 @@ def test_metrics(server, client):
     assert values["vllm:e2e_request_latency_seconds_count" + label] >= 1
     assert values["vllm:kv_transfer_bytes_total" + label] == 0
     assert values["vllm:compiles_during_serving_total" + label] == 0
+
+
+def test_a_prompt_being_tokenized_stalls_no_other_request(server, client, monkeypatch):
+    """Tokenizing runs on a worker thread: while one request's prompt is being tokenized
+    (held here until the others are answered), /health and another completion are
+    served. On the event loop, both would wait for it."""
+    import threading
+
+    tok = server.server.config.app.state.tokenizer
+    entered, release = threading.Event(), threading.Event()
+    encode = tok.encode
+
+    def held(text, **kw):
+        if text == "HELD":
+            entered.set()
+            release.wait(60)
+        return encode(text, **kw)
+
+    monkeypatch.setattr(tok, "encode", held)
+    first = threading.Thread(target=complete, args=(client,), kwargs={"prompt": "HELD",
+                                                                       "max_tokens": 1})
+    first.start()
+    try:
+        assert entered.wait(30)
+        assert httpx.get(server.url + "/health", timeout=20).status_code == 200
+        assert complete(client, prompt="another", max_tokens=2).usage.completion_tokens >= 1
+    finally:
+        release.set()
+        first.join(60)

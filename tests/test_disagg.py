@@ -525,3 +525,17 @@ def test_decode_side_full_queues_requests_instead_of_refusing(stack):
     assert all(not isinstance(o, BaseException) and len(o.token_ids) == 200 for o in outs), \
         [o for o in outs if isinstance(o, BaseException)][:3]
     assert pools_full(stack, stack.urls["prefill"] + [d]) is True
+
+
+def test_workers_listen_on_loopback_only(stack):
+    """Nothing of a worker listens beyond loopback by default: its HTTP API, its
+    handshake endpoint, and UCX's transports (UCX_NET_DEVICES=lo unless
+    --transfer-interface names a device)."""
+    import psutil
+
+    for url in stack.urls["prefill"] + stack.urls["decode"]:
+        proc = psutil.Process(stack.procs[url].pid)
+        listening = [c.laddr for c in proc.net_connections(kind="inet")
+                     if c.status == psutil.CONN_LISTEN]
+        assert len(listening) >= 3, listening  # HTTP, handshake, UCX
+        assert all(a.ip in ("127.0.0.1", "::1") for a in listening), (url, listening)

@@ -146,13 +146,13 @@ def test_a_decode_worker_whose_engine_died_is_passed_over():
 
 
 def test_no_live_decode_worker_fails_the_request():
-    """With every decode worker's engine stopped the request fails as WorkerFailed, not
+    """With every decode worker's engine stopped the request fails as Unavailable (503), not
     as an overloaded server retried for the whole retry window."""
     router, calls = _two_of_each(dead="http://d0")
     router.decode.urls.remove("http://d1")
     del router.decode.load["http://d1"]
     [err] = asyncio.run(_serve(router, 1))
-    assert isinstance(err, WorkerFailed) and "engine stopped" in str(err)
+    assert isinstance(err, Unavailable) and "engine stopped" in str(err)
     # now that the router knows it is down, the next request is refused before its prefill
     prefills = calls["http://p0", "/prefill"] + calls["http://p1", "/prefill"]
     [err] = asyncio.run(_serve(router, 1))

@@ -21,7 +21,7 @@ _VALIDATED = re.compile(r"^function-(?:after|before|wrap|plain)\[.*, (.+)\]$")
 
 _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
           405: "MethodNotAllowedError", 413: "RequestTooLargeError",
-          500: "InternalServerError", 503: "ServiceUnavailableError"}
+          500: "InternalServerError", 502: "BadGatewayError", 503: "ServiceUnavailableError"}
 
 
 class APIError(Exception):
@@ -48,11 +48,13 @@ def error_response(e: APIError) -> JSONResponse:
 
 
 def validation_error(exc: RequestValidationError) -> APIError:
-    """The first problem pydantic found, named by its field path."""
+    """The problem pydantic found, named by its field path."""
     errors = exc.errors()
     if not errors:
         return APIError("invalid request body")
-    err = errors[0]
+    # A union field fails once per member; a member's own validator (a value error)
+    # says more than the other members' type mismatches.
+    err = next((e for e in errors if e.get("type") == "value_error"), errors[0])
     loc = [_VALIDATED.sub(r"\1", str(x)) for x in err.get("loc", ()) if x != "body"]
     if err.get("type") == "json_invalid":
         return APIError(f"Invalid JSON: {err.get('msg')}")

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 
 from serving.api.backend import Backend, EngineDead, EngineOverloaded, RequestStream, Unavailable
+from serving.errors import WorkerFailed
 from serving.api.errors import APIError
 from serving.api.metrics import Metrics, RequestTimer
 from serving.api.prepare import Job
@@ -18,7 +19,8 @@ from serving.engine import RequestOutput
 
 async def submit(backend: Backend, request_id: str, jobs: list[Job]) -> list[RequestStream]:
     """Add every job, or abort those already added and raise the first failure
-    as an APIError (400 bad input, 503 overload or no live worker, 500 dead engine)."""
+    as an APIError (400 bad input, 503 overload or no live worker, 502 a worker that
+    failed, 500 dead engine)."""
     results = await asyncio.gather(
         *(backend.add(f"{request_id}-{j.index}", j.prompt.token_ids, j.params) for j in jobs),
         return_exceptions=True)
@@ -32,6 +34,8 @@ async def submit(backend: Backend, request_id: str, jobs: list[Job]) -> list[Req
         raise APIError(f"server overloaded: {e}", status=503) from e
     if isinstance(e, Unavailable):
         raise APIError(f"service unavailable: {e}", status=503) from e
+    if isinstance(e, WorkerFailed):
+        raise APIError(f"a worker failed: {e}", status=502) from e
     if isinstance(e, EngineDead):
         raise APIError(str(e), status=500) from e
     if isinstance(e, ValueError):
