@@ -220,6 +220,35 @@ def test_32_concurrent_greedy_requests_match_aggregated_three_times(stack, refer
     assert per_request <= 4, per_request
 
 
+def test_decode_side_full_queues_requests_instead_of_refusing(stack):
+    """More concurrent requests than a decode worker has slots: the rest wait there for
+    memory (their leases kept alive by their claims) instead of being refused. The first
+    16 pulls are held until their timeout (hang), so all 16 slots stay reserved while the
+    other four requests arrive: those queue, and once the held pulls fail and give their
+    memory back they are served in full. (Early in the module: it needs both prefill
+    workers, whose 32 slots hold the 16 held leases and prefill the rest.)"""
+    d = stack.urls["decode"][0]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    _post(d, "/debug/faults", {"hang_next": 16})
+
+    async def go():
+        task = asyncio.ensure_future(run_all(stack.router(decode=[d]), prompts(20, seed=60),
+                                             params))
+        queued = 0
+        while not task.done():
+            queued = max(queued, (await asyncio.to_thread(stack.stats, d))["queued_transfers"])
+            await asyncio.sleep(0.1)
+        return await task, queued
+
+    outs, queued = asyncio.run(go())
+    failed = [o for o in outs if isinstance(o, BaseException)]
+    served = [o for o in outs if not isinstance(o, BaseException)]
+    assert queued == 4  # 16 slots held by the hung pulls
+    assert len(failed) == 16 and all("transfer failed (timeout" in str(e) for e in failed)
+    assert len(served) == 4 and all(len(o.token_ids) == 8 for o in served)
+    assert pools_full(stack, stack.urls["prefill"] + [d]) is True
+
+
 SLOW_STEP_SECONDS = 5.0
 SLOW_PREFILL_WORKER = """
 import os, sys, time
@@ -419,12 +448,13 @@ def test_decode_worker_killed_mid_generation(stack):
     async def go():
         router = stack.router(decode=[victim])
         stream = await router.add("long-1", prompts(1, seed=20)[0], long)
-        got = 0
+        got, killed = 0, False
         try:
             async for out in stream:
                 got += len(out.new_token_ids)
-                if got >= 5:
+                if got >= 5 and not killed:
                     stack.kill(victim)
+                    killed = True
         except WorkerFailed as e:
             return e, got
         return None, got
@@ -502,34 +532,6 @@ def test_router_process_killed_mid_stream(stack):
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     ok = asyncio.run(run_all(stack.router(*urls), prompts(3, seed=50), params))
     assert all(not isinstance(o, BaseException) and len(o.token_ids) == 6 for o in ok), ok
-
-
-def test_decode_side_full_queues_requests_instead_of_refusing(stack):
-    """More concurrent requests than a decode worker has slots: the rest wait there for
-    memory (their leases kept alive by their claims) instead of being refused. The first
-    16 pulls are held until their timeout (hang), so all 16 slots stay reserved while the
-    other four requests arrive: those queue, and once the held pulls fail and give their
-    memory back they are served in full."""
-    d = stack.urls["decode"][0]
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    _post(d, "/debug/faults", {"hang_next": 16})
-
-    async def go():
-        task = asyncio.ensure_future(run_all(stack.router(decode=[d]), prompts(20, seed=60),
-                                             params))
-        queued = 0
-        while not task.done():
-            queued = max(queued, (await asyncio.to_thread(stack.stats, d))["queued_transfers"])
-            await asyncio.sleep(0.1)
-        return await task, queued
-
-    outs, queued = asyncio.run(go())
-    failed = [o for o in outs if isinstance(o, BaseException)]
-    served = [o for o in outs if not isinstance(o, BaseException)]
-    assert queued == 4  # 16 slots held by the hung pulls
-    assert len(failed) == 16 and all("transfer failed (timeout" in str(e) for e in failed)
-    assert len(served) == 4 and all(len(o.token_ids) == 8 for o in served)
-    assert pools_full(stack, stack.urls["prefill"] + [d]) is True
 
 
 def test_workers_listen_on_loopback_only(stack):
