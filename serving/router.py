@@ -142,6 +142,7 @@ class Router:
         self._registered: dict[str, frozenset] = {}  # decode url -> the sources it was given
         self._agents: dict[str, str] = {}  # decode url -> its transfer agent, as last seen
         self._poller: asyncio.Task | None = None
+        self._notices: set[asyncio.Task] = set()  # PeerLost posts in flight (kept referenced)
 
     @classmethod
     def from_workers(cls, prefill_urls: list[str], decode_urls: list[str], *, secret: str,
@@ -322,7 +323,9 @@ class Router:
                 pass  # its leases expire by themselves
 
         for prefill_url in self.prefill.urls:
-            asyncio.get_running_loop().create_task(tell(prefill_url))
+            task = asyncio.get_running_loop().create_task(tell(prefill_url))
+            self._notices.add(task)
+            task.add_done_callback(self._notices.discard)
 
     async def abort(self, request_id: str) -> None:
         """Requests are aborted by closing their stream (the worker sees the disconnect)."""
