@@ -113,10 +113,10 @@ def filler_tokenizer(model: str, result_dir: str) -> list[str]:
     """``--tokenizer DIR`` for a random-weight preset of a real vocabulary: the built-in
     BPE padded with filler tokens to the model's size (serving/assets/
     make_tiny_tokenizer.py), so every sampled id streams as text; none otherwise."""
-    from qwen35_jax import get_preset
+    from qwen35_jax import builtin, get_preset
     from serving.assets import make_tiny_tokenizer
 
-    if os.path.isdir(model) or get_preset(model).vocab_size <= make_tiny_tokenizer.VOCAB_SIZE:
+    if os.path.isdir(builtin.resolve(model)) or get_preset(model).vocab_size <= make_tiny_tokenizer.VOCAB_SIZE:
         return []
     path = make_tiny_tokenizer.main(os.path.join(result_dir, "tokenizer"),
                                     get_preset(model).vocab_size)

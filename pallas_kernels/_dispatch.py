@@ -16,8 +16,10 @@ backend:
 called with "auto" (the model's layers never pass a backend) run the Pallas
 bodies in interpret mode, which is how the CPU tests run a whole sharded model on
 the kernels.  It is a JAX user context, so a jitted function traced under another
-value retraces.  (The MoE grouped matmul and the stacked-layer matmul choose their
-backends on their own.)
+value retraces.  The MoE grouped matmul and the stacked-layer matmul choose their
+backends on their own, except under "reference", which makes them pure JAX as well:
+the Pallas kernels have no VJP, so training (``qwen35_jax.train``) differentiates the
+model under ``default_backend("reference")``.
 """
 from __future__ import annotations
 

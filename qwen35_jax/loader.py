@@ -50,6 +50,15 @@ def _ident(x):
     return x
 
 
+def _unsqueeze_conv(x):  # [C, K] -> depthwise conv1d [C, 1, K]
+    return x.reshape(x.shape[0], 1, x.shape[-1])
+
+
+# Each transform's inverse: parameter layout -> PyTorch's (the exporter's direction).
+INVERSE: dict[Callable, Callable] = {_t: _t, _swap_last: _swap_last,
+                                     _squeeze_conv: _unsqueeze_conv, _ident: _ident}
+
+
 # (layer-relative checkpoint name, parameter path inside the layer, transform).
 # Patterns are anchored regexes; a group in the pattern is substituted into the path.
 LAYER_TABLE: tuple[tuple[str, str, Callable], ...] = (
@@ -77,6 +86,15 @@ TOP_TABLE = {
     "embed_tokens.weight": ("embed_tokens.embedding", _ident),
     "norm.weight": ("norm.weight", _ident),
 }
+# The MTP head (qwen35_jax.mtp.MTP): "mtp." + these names, and its one decoder layer as
+# "mtp.layers.0." + a LAYER_TABLE name (per-expert 2-D experts in Qwen3.5's releases).
+MTP_TABLE = {
+    "fc.weight": ("fc.kernel", _t),
+    "pre_fc_norm_embedding.weight": ("pre_fc_norm_embedding.weight", _ident),
+    "pre_fc_norm_hidden.weight": ("pre_fc_norm_hidden.weight", _ident),
+    "norm.weight": ("norm.weight", _ident),
+}
+MTP_LAYER = ("mtp.layers.0.", "layer.")  # (checkpoint prefix, parameter prefix)
 PREFIXES = ("model.language_model.", "model.")
 IGNORED = re.compile(r"^(mtp\.|model\.visual\.|visual\.|model\.mtp\.)")
 LAYER = re.compile(r"layers\.(\d+)\.(.+)")
@@ -105,18 +123,28 @@ def _target(cfg: Qwen35Config, name: str):
     period = cfg.full_attention_interval
     g, pos = divmod(i, period)
     base, index = ("groups.attn", (g,)) if pos == period - 1 else ("groups.gdn", (g, pos))
+    inner = layer_target(cfg, sub)
+    if inner is None:
+        return None
+    path, expert, fn, cols = inner
+    return f"{base}.{path}", index + expert, fn, cols
+
+
+def layer_target(cfg: Qwen35Config, sub: str):
+    """Layer-relative checkpoint name -> (parameter path inside the layer, expert index
+    tuple, transform, column slice of the fused gate/up tensor) or None."""
     for pattern, path, fn in LAYER_TABLE:
         pm = re.fullmatch(pattern, sub)
         if pm:
-            return f"{base}.{pm.expand(path)}", index, fn, None
+            return pm.expand(path), (), fn, None
     pm = PER_EXPERT.fullmatch(sub)
     if pm and cfg.is_moe:
         e, which = int(pm.group(1)), pm.group(2)
         inter = cfg.moe_intermediate_size
         if which == "down_proj":
-            return f"{base}.mlp.experts_down", index + (e,), _t, None
+            return "mlp.experts_down", (e,), _t, None
         cols = slice(0, inter) if which == "gate_proj" else slice(inter, 2 * inter)
-        return f"{base}.mlp.experts_gate_up", index + (e,), _t, cols
+        return "mlp.experts_gate_up", (e,), _t, cols
     return None
 
 

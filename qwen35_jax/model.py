@@ -129,6 +129,12 @@ class Qwen35ForCausalLM(nnx.Module):
     def forward(self, batch: Batch, cache: HybridCache):
         """One model step over a ragged batch: logits [L, vocab] (float32) at
         ``batch.logits_indices``, and the cache with this step's KV and GDN state."""
+        h, cache = self.hidden(batch, cache)
+        return self.logits(h[batch.logits_indices]), cache
+
+    def hidden(self, batch: Batch, cache: HybridCache):
+        """The last layer's output for every token ([T, D], before the final norm) and the
+        cache with this step's KV and GDN state."""
         meta = step_meta(batch, num_blocks=cache.num_blocks, block_size=cache.block_size)
         h = self.embed_tokens(batch.tokens)
         gdef, whole, gstate = _split_whole(self.groups)
@@ -141,14 +147,15 @@ class Qwen35ForCausalLM(nnx.Module):
         (h, cache), _ = jax.lax.scan(
             group_step, (h, cache),
             (jnp.arange(self.config.num_groups, dtype=jnp.int32), gstate))
-        return self.logits(h[batch.logits_indices]), cache
+        return h, cache
 
     def logits(self, h):
-        h = self.norm(h)
-        if self.lm_head is None:
-            out = self.embed_tokens.attend(h)
-        else:
-            out = self.lm_head(h)
+        """Float32 logits of last-layer outputs: the final norm, then the LM head."""
+        return self.head(self.norm(h))
+
+    def head(self, h):
+        """The LM head (the embedding, when tied) on normalised hidden states, in float32."""
+        out = self.embed_tokens.attend(h) if self.lm_head is None else self.lm_head(h)
         return out.astype(jnp.float32)
 
     def __call__(self, input_ids, cache: SequenceCache | None = None):
@@ -158,17 +165,23 @@ class Qwen35ForCausalLM(nnx.Module):
         given = cache is not None
         if not given:
             cache = SequenceCache.allocate(self.config, b, t, dtype=self.dtype)
-        m = cache.cache.num_blocks // b
-        batch = Batch(
-            tokens=input_ids.reshape(-1).astype(jnp.int32),
-            cu_seqlens=jnp.arange(b + 1, dtype=jnp.int32) * t,
-            start_pos=cache.lengths,
-            slots=jnp.arange(b, dtype=jnp.int32),
-            block_tables=jnp.arange(b * m, dtype=jnp.int32).reshape(b, m),
-            logits_indices=jnp.arange(b * t, dtype=jnp.int32),
-            is_decode=(t == 1))
-        logits, hc = self.forward(batch, cache.cache)
+        logits, hc = self.forward(rows_batch(input_ids, cache), cache.cache)
         logits = logits.reshape(b, t, -1)
         if given:
             return logits, SequenceCache(cache=hc, lengths=cache.lengths + t)
         return logits
+
+
+def rows_batch(input_ids, cache: SequenceCache) -> Batch:
+    """The ragged batch of ``B`` equal-length rows ``[B, T]`` continuing ``cache`` (row b in
+    slot b and blocks ``b*M ..``), with every token's logits requested."""
+    b, t = input_ids.shape
+    m = cache.cache.num_blocks // b
+    return Batch(
+        tokens=input_ids.reshape(-1).astype(jnp.int32),
+        cu_seqlens=jnp.arange(b + 1, dtype=jnp.int32) * t,
+        start_pos=cache.lengths,
+        slots=jnp.arange(b, dtype=jnp.int32),
+        block_tables=jnp.arange(b * m, dtype=jnp.int32).reshape(b, m),
+        logits_indices=jnp.arange(b * t, dtype=jnp.int32),
+        is_decode=(t == 1))

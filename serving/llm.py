@@ -2,6 +2,7 @@
 
     from serving import LLM, SamplingParams
     llm = LLM("tiny", num_blocks=256)               # a preset with random weights,
+    llm = LLM("tiny-math")                          # a built-in trained checkpoint,
     llm = LLM("/ckpt/Qwen3.5-0.8B")                 # a checkpoint directory,
     llm = LLM(model)                                # or a model object
     outs = llm.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=32, temperature=0))
@@ -18,6 +19,7 @@ import os
 import jax
 import jax.numpy as jnp
 
+from qwen35_jax import builtin
 from serving.engine import Engine, EngineConfig, RequestOutput, SamplingParams
 from serving.engine.capacity import allocate_cache, plan_capacity
 
@@ -33,15 +35,18 @@ def model_config(model: str):
     import qwen35_jax
     from qwen35_jax.config import Qwen35Config
 
+    model = builtin.resolve(model)
     return Qwen35Config.from_json(model) if os.path.isdir(model) else qwen35_jax.get_preset(model)
 
 
 def load_model(model, dtype, seed, mesh=None):
     """A model object as given (placed on ``mesh`` if one is given), a checkpoint
-    directory, or a preset name (random weights), loaded straight into ``mesh``'s layout."""
+    directory or built-in checkpoint, or a preset name (random weights), loaded straight
+    into ``mesh``'s layout."""
     import qwen35_jax
     from qwen35_jax.sharding import shard_model
 
+    model = builtin.resolve(model)
     if not isinstance(model, str):
         return model if mesh is None else shard_model(model, mesh)
     if os.path.isdir(model):
@@ -50,6 +55,7 @@ def load_model(model, dtype, seed, mesh=None):
 
 
 def _load_tokenizer(tokenizer, model):
+    model = builtin.resolve(model)
     if tokenizer is None and isinstance(model, str) and os.path.isfile(
             os.path.join(model, "tokenizer.json")):
         tokenizer = model

@@ -4,8 +4,9 @@ client, get the same whole responses (greedy or seeded, float32; ids and timesta
 aside, logprobs to float32 rounding). Both refuse the same bad input the same way, both
 require the API key, and the launcher restarts a worker that dies.
 
-Both servers start with the same engine flags (bench.disagg's CPU limits, whose programs
-the session's compilation cache holds once test_bench_disagg or test_launcher ran).
+Both servers serve the trained ``tiny-math`` model with the same engine flags
+(bench.disagg's CPU limits), and its held-out problems get the same greedy answers,
+token for token, from both (bf16: test_accuracy).
 """
 
 from __future__ import annotations
@@ -22,12 +23,15 @@ import openai
 import psutil
 import pytest
 
+from bench import accuracy
 from bench.disagg import CPU_ENGINE_FLAGS
+from qwen35_jax.train import problems
 from serving.ports import free_port
 
 KEY = "parity-test-key"
 MAX_BYTES = 1 << 20
-FLAGS = ["--model", "tiny", *CPU_ENGINE_FLAGS, "--api-key", KEY, "--max-logprobs", "5",
+MODEL = "tiny-math"  # trained: greedy answers are checkable, and bf16 has no near-ties
+FLAGS = ["--model", MODEL, *CPU_ENGINE_FLAGS, "--api-key", KEY, "--max-logprobs", "5",
          "--max-request-bytes", str(MAX_BYTES), "--log-level", "warning"]
 
 
@@ -130,10 +134,21 @@ CHATS = {
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
 
 
+def test_held_out_problems_get_the_same_answers_token_for_token(servers):
+    agg, disagg, _ = servers
+    probs = problems.held_out(32)
+    prompts = [p.prompt for p in probs]
+    ref = accuracy.ask(agg, prompts, concurrency=4, api_key=KEY)
+    outs = accuracy.ask(disagg, prompts, concurrency=4, api_key=KEY)
+    assert accuracy.score(probs, ref)["exact"] >= 0.9  # the shipped model is trained
+    assert accuracy.score(probs, outs) == accuracy.score(probs, ref)
+    assert accuracy.agreement(outs, ref)["identical"] == len(probs)
+
+
 @pytest.mark.parametrize("case", list(COMPLETIONS))
 def test_completions_are_the_same(servers, case):
     agg, disagg, _ = servers
-    kw = {"model": "tiny", **COMPLETIONS[case]}
+    kw = {"model": MODEL, **COMPLETIONS[case]}
     _same(_whole(_client(agg).completions.create(**kw)),
           _whole(_client(disagg).completions.create(**kw)))
 
@@ -141,7 +156,7 @@ def test_completions_are_the_same(servers, case):
 @pytest.mark.parametrize("case", list(CHATS))
 def test_chat_completions_are_the_same(servers, case):
     agg, disagg, _ = servers
-    kw = {"model": "tiny", "messages": MESSAGES, **CHATS[case]}
+    kw = {"model": MODEL, "messages": MESSAGES, **CHATS[case]}
     _same(_whole(_client(agg).chat.completions.create(**kw)),
           _whole(_client(disagg).chat.completions.create(**kw)))
 
@@ -149,7 +164,7 @@ def test_chat_completions_are_the_same(servers, case):
 def _streamed(client, chat: bool, **kw) -> dict:
     """A stream folded into what it delivered: text per choice, logprobs, finish
     reasons, usage (chunk boundaries are each server's own)."""
-    kw = {"model": "tiny", "stream": True, "stream_options": {"include_usage": True}, **kw}
+    kw = {"model": MODEL, "stream": True, "stream_options": {"include_usage": True}, **kw}
     create = client.chat.completions.create if chat else client.completions.create
     text, logprobs, finish, usage = {}, {}, {}, None
     for chunk in create(**kw):
@@ -192,7 +207,7 @@ def test_lone_surrogates_are_the_same_400_on_both(servers, body, param):
     for url in (agg, disagg):
         r = httpx.post(f"{url}/v1/completions", headers={"Authorization": f"Bearer {KEY}",
                                                          "Content-Type": "application/json"},
-                       content=json.dumps({"model": "tiny", "max_tokens": 4, **body}), timeout=60)
+                       content=json.dumps({"model": MODEL, "max_tokens": 4, **body}), timeout=60)
         assert r.status_code == 400, r.text
         answers.append(r.json())
     assert answers[0] == answers[1]
@@ -200,7 +215,7 @@ def test_lone_surrogates_are_the_same_400_on_both(servers, body, param):
 
 
 def test_chat_with_a_lone_surrogate_is_a_400(servers):
-    body = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi \ud83d"}]}
+    body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi \ud83d"}]}
     for url in servers[:2]:  # raw JSON: the openai client cannot even encode it
         r = httpx.post(f"{url}/v1/chat/completions", content=json.dumps(body), timeout=60,
                        headers={"Authorization": f"Bearer {KEY}",
@@ -212,22 +227,22 @@ def test_the_api_key_is_required_on_both(servers):
     for url in servers[:2]:
         for key in ("wrong", ""):
             with pytest.raises(openai.AuthenticationError) as e:
-                _client(url, key=key or "none").completions.create(model="tiny", prompt="x",
+                _client(url, key=key or "none").completions.create(model=MODEL, prompt="x",
                                                                     max_tokens=1)
             assert e.value.status_code == 401
         r = httpx.get(f"{url}/v1/models")
         assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"
         assert httpx.get(f"{url}/health").status_code == 200  # probes need no key, as in vLLM
-        assert _client(url).models.list().data[0].id == "tiny"
+        assert _client(url).models.list().data[0].id == MODEL
 
 
 def test_a_body_over_the_limit_is_a_413_before_it_is_read(servers):
     for url in servers[:2]:
         r = httpx.post(f"{url}/v1/completions", timeout=60,
                        headers={"Authorization": f"Bearer {KEY}"},
-                       json={"model": "tiny", "prompt": "a " * MAX_BYTES, "max_tokens": 1})
+                       json={"model": MODEL, "prompt": "a " * MAX_BYTES, "max_tokens": 1})
         assert r.status_code == 413 and r.json()["error"]["code"] == 413, r.text
-        assert _client(url).completions.create(model="tiny", prompt="ok", max_tokens=1)
+        assert _client(url).completions.create(model=MODEL, prompt="ok", max_tokens=1)
 
 
 def _workers(launcher: subprocess.Popen, role: str) -> list[psutil.Process]:
@@ -247,7 +262,7 @@ def test_a_dead_decode_worker_is_a_503_at_once_then_restarted(servers):
     end = time.monotonic() + 60
     while True:  # the router's health poll (every second) learns of the death
         try:
-            client.completions.create(model="tiny", prompt="x", max_tokens=2)
+            client.completions.create(model=MODEL, prompt="x", max_tokens=2)
         except openai.APIStatusError as e:
             if e.status_code == 503 and "no decode worker is live" in str(e):
                 break
@@ -257,7 +272,7 @@ def test_a_dead_decode_worker_is_a_503_at_once_then_restarted(servers):
     end = time.monotonic() + 600
     while True:  # restarted on its port; the router takes it back after a good poll
         try:
-            out = client.completions.create(model="tiny", prompt="back", max_tokens=4,
+            out = client.completions.create(model=MODEL, prompt="back", max_tokens=4,
                                             temperature=0)
             break
         except openai.APIStatusError:
@@ -274,7 +289,7 @@ def test_sigterm_with_a_stream_open_stops_every_process(servers):
     _, disagg, launcher = servers
     children = psutil.Process(launcher.pid).children(recursive=True)
     assert len([c for c in children if "serving.worker" in " ".join(c.cmdline())]) == 2
-    stream = _client(disagg).completions.create(model="tiny", prompt="hello", max_tokens=200,
+    stream = _client(disagg).completions.create(model=MODEL, prompt="hello", max_tokens=200,
                                                 temperature=0, stream=True,
                                                 extra_body={"ignore_eos": True})
     next(iter(stream))  # the request is running

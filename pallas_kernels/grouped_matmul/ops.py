@@ -15,6 +15,7 @@ Backends:
 
 from __future__ import annotations
 
+from .._dispatch import default_backend
 from ..tuning import _family, gpu_arch, grouped_matmul_config, grouped_matmul_prefers_mgpu
 from .mgpu import grouped_matmul_mgpu, mgpu_tiles, padded_call
 from .pallas_triton import grouped_matmul_pallas, tiles_fit
@@ -29,7 +30,7 @@ def resolve(backend: str = "auto", rows: int = 0) -> str:
         raise ValueError(f"unknown backend {backend!r}; one of {BACKENDS}")
     if backend != "auto":
         return backend
-    if _family(gpu_arch()) == "default":
+    if default_backend.value == "reference" or _family(gpu_arch()) == "default":
         return "reference"
     return "mgpu" if grouped_matmul_prefers_mgpu(rows) else "pallas"
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import jax
 
+from .._dispatch import default_backend
 from ..tuning import _family, gpu_arch, layer_matmul_config
 from ..grouped_matmul.pallas_triton import tiles_fit
 from .pallas_triton import layer_matmul_pallas
@@ -28,7 +29,7 @@ def resolve(backend: str, x, w) -> str:
         raise ValueError(f"unknown backend {backend!r}; one of {BACKENDS}")
     if backend != "auto":
         return backend
-    if _family(gpu_arch()) == "default" or not jax.sharding.get_abstract_mesh().empty:
+    if default_backend.value == "reference" or _family(gpu_arch()) == "default" or not jax.sharding.get_abstract_mesh().empty:
         return "reference"
     cfg = layer_matmul_config()
     return "pallas" if x.shape[0] <= cfg["max_rows"] and tiles_fit(x, w, cfg) else "reference"

@@ -15,6 +15,7 @@ import os
 
 import jax
 
+from qwen35_jax import builtin
 from serving.api.app import build_app
 from serving.api.text import Tokenizer, find_tokenizer
 from serving.async_engine import AsyncEngine
@@ -115,8 +116,9 @@ def build(args) -> tuple:
     llm = LLM(model, tokenizer=tokenizer, dtype=dtype, seed=args.seed, **engine_kwargs(args))
     engine = AsyncEngine(llm.engine, max_queued_requests=args.max_queued_requests)
     name = args.served_model_name or model
-    app = build_app(engine, tokenizer, name, model_path=os.path.abspath(model)
-                    if os.path.isdir(model) else model, api_key=api_key(args),
+    path = builtin.resolve(model)
+    app = build_app(engine, tokenizer, name, model_path=os.path.abspath(path)
+                    if os.path.isdir(path) else model, api_key=api_key(args),
                     max_request_bytes=args.max_request_bytes)
     return app, engine
 

@@ -7,6 +7,7 @@ built-in "tiny" presets, from `serving/assets/tiny/`.
 
 import os
 
+from qwen35_jax import builtin
 from transformers import AutoTokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
@@ -18,6 +19,7 @@ def find_tokenizer(model: str, tokenizer: str | None = None) -> str:
     """Where to load the tokenizer of `model` (a checkpoint directory or a preset) from."""
     if tokenizer:
         return tokenizer
+    model = builtin.resolve(model)
     if os.path.isfile(os.path.join(model, "tokenizer.json")):
         return model
     from qwen35_jax import get_preset

@@ -1,11 +1,9 @@
-"""Builds the tokenizer of the built-in small models (`serving/assets/tiny/`).
+"""Builds the tokenizer of the built-in random-weight presets (`serving/assets/tiny/`).
 
 The "tiny" presets have random weights and a 512-token vocabulary, so any
 tokenizer of that size lets the server take text: a byte-level BPE (every
-string encodes, every id decodes) with ids 0-2 reserved for the special tokens
-the presets treat as end-of-sequence and the ChatML chat template uses:
-
-    <|endoftext|> = 0    <|im_end|> = 1    <|im_start|> = 2
+string encodes, every id decodes) with the special tokens and chat template of
+`qwen35_jax.tokenizer_files`.
 
 The training text is generated here from a fixed seed, so the files do not
 depend on what else is in the repository and rerunning the script reproduces
@@ -27,16 +25,10 @@ import random
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from qwen35_jax import tokenizer_files
+from qwen35_jax.tokenizer_files import SPECIAL_TOKENS
+
 VOCAB_SIZE = 512
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_end|>", "<|im_start|>"]
-EOS, PAD = "<|im_end|>", "<|endoftext|>"
-# ChatML, as used by Qwen: each message in <|im_start|>role ... <|im_end|>.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
 
 _WORDS = """the a an of to and in is it that for on with as are this be by from at
 or model token tokens request server engine batch cache block state slot prefill
@@ -82,39 +74,15 @@ def build() -> Tokenizer:
     tok.train_from_iterator(corpus(), trainer=trainer)
     if tok.get_vocab_size() != VOCAB_SIZE:
         raise RuntimeError(f"trained {tok.get_vocab_size()} tokens, want {VOCAB_SIZE}")
-    for i, s in enumerate(SPECIAL_TOKENS):
-        assert tok.token_to_id(s) == i, (s, tok.token_to_id(s))
     return tok
-
-
-def tokenizer_config() -> dict:
-    """What transformers' AutoTokenizer reads next to tokenizer.json."""
-    return {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": None,
-        "eos_token": EOS,
-        "pad_token": PAD,
-        "unk_token": None,
-        "model_max_length": 4096,
-        "clean_up_tokenization_spaces": False,
-        "chat_template": CHAT_TEMPLATE,
-        "added_tokens_decoder": {
-            str(i): {"content": s, "special": True, "lstrip": False, "rstrip": False,
-                     "normalized": False, "single_word": False}
-            for i, s in enumerate(SPECIAL_TOKENS)},
-    }
 
 
 def main(out_dir: str | None = None, vocab_size: int = VOCAB_SIZE) -> str:
     out_dir = out_dir or os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny")
-    os.makedirs(out_dir, exist_ok=True)
     tok = build()
     if vocab_size > VOCAB_SIZE:
         tok = pad(tok, vocab_size)
-    tok.save(os.path.join(out_dir, "tokenizer.json"))
-    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
-        json.dump(tokenizer_config(), f, indent=2)
-        f.write("\n")
+    tokenizer_files.save(tok, out_dir)
     return out_dir
 
 

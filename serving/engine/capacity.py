@@ -26,6 +26,20 @@ from serving.engine.config import EngineConfig
 log = logging.getLogger(__name__)
 
 
+def cache_dtype(dtype):
+    """The KV and conv-state dtype for weights of ``dtype``: the same, except float32 for
+    16-bit weights on a CPU. XLA's CPU backend cannot update a 16-bit array in place: it
+    converts the whole array to float32, updates it and converts it back, so every step
+    rewrites the whole cache, and its buffer holds other values in between; a transfer
+    into or out of the cache while a step runs then reads or leaves garbage (seen as wrong
+    answers of concurrent bfloat16 requests, disaggregated). ``Runner`` checks every
+    compiled step for such a rewrite (``rewrites_whole_cache``)."""
+    dtype = jnp.dtype(dtype)
+    if dtype.itemsize == 2 and jax.default_backend() == "cpu":
+        return jnp.dtype(jnp.float32)
+    return dtype
+
+
 def plan_capacity(model_cfg, config: EngineConfig, dtype, memory_stats: dict | None = None,
                   mesh=None, budget_bytes: int | None = None) -> dict:
     """Fills `config.num_blocks` if unset; returns the split as a report (bytes per
@@ -35,6 +49,7 @@ def plan_capacity(model_cfg, config: EngineConfig, dtype, memory_stats: dict | N
     from qwen35_jax.cache import HybridCache
 
     ssm_dtype = jnp.dtype(config.ssm_dtype)
+    dtype = cache_dtype(dtype)
     split = _splits(model_cfg, mesh)
     block_bytes = HybridCache.bytes_per_block(model_cfg, config.block_size, dtype) // split.kv
     s = HybridCache.shapes(model_cfg, 1, 1, 1)
@@ -83,7 +98,7 @@ def allocate_cache(model_cfg, config: EngineConfig, dtype, mesh=None):
 
     make = partial(HybridCache.allocate, model_cfg, num_blocks=config.num_blocks,
                    block_size=config.block_size, num_slots=config.num_slots,
-                   dtype=dtype, ssm_dtype=jnp.dtype(config.ssm_dtype))
+                   dtype=cache_dtype(dtype), ssm_dtype=jnp.dtype(config.ssm_dtype))
     if mesh is None:
         return make()
     return jax.jit(make, out_shardings=cache_shardings(model_cfg, mesh))()

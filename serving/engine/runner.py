@@ -99,6 +99,7 @@ class Runner:
         self._sample_fn = jax.jit(partial(_sample, num_top_logprobs), static_argnums=4,
                                   donate_argnums=1, **smp_s)
         self._programs = {}  # (is_decode, T, N) -> compiled forward pass
+        self.rewrites_whole_cache = False  # a program converts a whole 16-bit cache array
         self._samplers = {}  # (N, SamplerMode) -> compiled sampler
         self._addresses = None
 
@@ -117,6 +118,8 @@ class Runner:
         with ThreadPoolExecutor(compile_threads) as pool:
             programs = list(pool.map(lambda lo: lo.compile(), lowered))
         self._programs = dict(zip(shapes, programs))
+        self.rewrites_whole_cache = any(rewrites_whole_cache(p.as_text(), self.cache)
+                                        for p in programs[:len(shapes)])
         self._samplers = dict(zip(samplers, programs[len(shapes):]))
         logits = {}  # N -> the logits of one padding step with N rows
         for is_decode, t, n in shapes:
@@ -216,3 +219,18 @@ class Runner:
         self.last_token, out = self._samplers[key](logits, self.last_token, x.sampling,
                                                    x.sample_slot)
         return out
+
+
+def rewrites_whole_cache(hlo: str, cache) -> bool:
+    """Whether a compiled program holds a float32 value of a 16-bit cache array's whole
+    (per-shard) shape: the mark of an update that XLA lowered as convert-update-convert
+    over the entire array (XLA's CPU backend does so for bfloat16), which writes every
+    row of the array, not only the updated ones. Writers outside the step stream (NIXL)
+    must then not touch the array while such a step runs (serving/worker/decode.py)."""
+    for a in jax.tree.leaves(cache):
+        if a.dtype.itemsize != 2:
+            continue
+        dims = ",".join(map(str, a.sharding.shard_shape(a.shape)))
+        if f"f32[{dims}]" in hlo:
+            return True
+    return False

@@ -13,6 +13,7 @@ the next tick, through the step fence.
 
 from __future__ import annotations
 
+import logging
 import math
 import uuid
 
@@ -21,11 +22,13 @@ import jax.numpy as jnp
 
 from serving.async_engine import AsyncEngine
 from serving.engine import Engine, EngineConfig
-from serving.engine.capacity import plan_capacity
+from serving.engine.capacity import cache_dtype, plan_capacity
 from serving.kv_transfer import allocate_registered_cache, compat_record
 from serving.llm import model_config
 from transfer import Agent, Faults, ProgressThread, TransferManager, free_bytes
 from transfer.agent import LOOPBACK
+
+log = logging.getLogger("serving.worker")
 
 
 class WorkerBase:
@@ -48,12 +51,16 @@ class WorkerBase:
                                       budget_bytes=None if None in free else min(free))
         cache, regions, self.layout = allocate_registered_cache(
             cfg, num_blocks=config.num_blocks, block_size=config.block_size,
-            num_slots=config.num_slots, dtype=dtype, ssm_dtype=jnp.dtype(config.ssm_dtype),
+            num_slots=config.num_slots, dtype=cache_dtype(dtype), ssm_dtype=jnp.dtype(config.ssm_dtype),
             mesh=mesh)
         self.compat = compat_record(cfg, cache, model_name)
         self.regions = {r.name: r for r in regions}
         # the tokenizer checks stop strings, on both sides: the first token can end one
         engine = Engine(model, cache, config, tokenizer=tokenizer, batch_type=_batch_type())
+        if engine.runner.rewrites_whole_cache:
+            log.warning("a compiled step rewrites a whole 16-bit cache array "
+                        "(serving.engine.capacity.cache_dtype): a transfer that overlaps a "
+                        "step can read or leave garbage")
         # unique across restarts: a peer keeps a known name's metadata, so a restarted
         # worker must not come back under its old one (an object id can repeat)
         self.agent = Agent(regions, name=f"{self.role}-{uuid.uuid4().hex}",

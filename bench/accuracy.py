@@ -1,0 +1,183 @@
+"""Exact-match accuracy of served answers, aggregated against disaggregated (and sharded).
+
+    python -m bench.accuracy                                  # CPU: tiny-math, float32 + bf16,
+                                                              # aggregated, disaggregated, --tp 2
+    python -m bench.accuracy --model tiny-math-moe            # + --ep 2
+    python -m bench.accuracy --dtypes bfloat16 --layouts aggregated disaggregated   # a GPU
+
+Each server is started, sent the same ``--num-problems`` held-out problems
+(``qwen35_jax.train.problems.held_out``: a seed training never draws) through the
+official ``openai`` client as greedy completions, scored GSM8K's way (the number after
+``####`` equals the answer) and stopped. Beside each score: how many completions are
+token-identical to the aggregated server's in the same dtype (its ``logprobs`` tokens),
+and the first problem where one is not. Prints a table and writes
+``<result-dir>/accuracy.json``.
+
+Layouts: ``aggregated`` (``python -m serving.api``), ``disaggregated`` (``python -m
+serving``: one prefill and one decode worker), ``tp2`` and ``ep2`` (the disaggregated
+stack with both workers on a ``--tp 2`` / ``--ep 2`` mesh; on a CPU the started
+processes get eight host devices through ``XLA_FLAGS``, of which the mesh takes two:
+with only two, a sharded step's collectives hang on a two-core machine). On a machine with one
+GPU both workers share it (``--gpu-memory-utilization`` splits it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+
+from bench.disagg import CPU_ENGINE_FLAGS, start_server, stop_server
+from serving.__main__ import gpus
+from qwen35_jax.train import problems
+
+LAYOUTS = {
+    "aggregated": ("serving.api", []),
+    "disaggregated": ("serving", []),
+    "tp2": ("serving", ["--tp", "2"]),
+    "ep2": ("serving", ["--ep", "2"]),
+}
+MAX_TOKENS = 96  # the longest answer is 60 tokens
+
+
+async def _ask(client, model: str, prompts: list[str], concurrency: int) -> list[dict]:
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(prompt):
+        async with gate:
+            r = await client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS,
+                                                temperature=0, logprobs=0)
+            c = r.choices[0]
+            return {"text": c.text, "tokens": c.logprobs.tokens,
+                    "finish_reason": c.finish_reason}
+
+    return await asyncio.gather(*(one(p) for p in prompts))
+
+
+def ask(url: str, prompts: list[str], concurrency: int, api_key: str = "none") -> list[dict]:
+    """Greedy completions of `prompts` from the server at `url` (the official client)."""
+    import openai
+
+    async def go():
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=api_key,
+                                      max_retries=0, timeout=600) as client:
+            model = (await client.models.list()).data[0].id
+            return await _ask(client, model, prompts, concurrency)
+
+    return asyncio.run(go())
+
+
+def score(probs: list[problems.Problem], outs: list[dict]) -> dict:
+    correct = [problems.extract(o["text"]) == p.answer for p, o in zip(probs, outs)]
+    return {"n": len(probs), "correct": sum(correct), "exact": sum(correct) / len(probs)}
+
+
+def agreement(outs: list[dict], ref: list[dict]) -> dict:
+    """How many completions are token-identical to the reference's, and the first that
+    is not (index, and the token where it diverges)."""
+    same = [o["tokens"] == r["tokens"] for o, r in zip(outs, ref)]
+    first = next((i for i, s in enumerate(same) if not s), None)
+    out = {"identical": sum(same), "of": len(same), "first_difference": first}
+    if first is not None:
+        a, b = outs[first]["tokens"], ref[first]["tokens"]
+        out["diverges_at_token"] = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y),
+                                        min(len(a), len(b)))
+    return out
+
+
+def server_command(layout: str, model: str, dtype: str, port: int, flags: list[str]):
+    module, extra = LAYOUTS[layout]
+    return [sys.executable, "-m", module, "--model", model, "--dtype", dtype,
+            "--port", str(port), *extra, *flags]
+
+
+def server_env(layout: str) -> dict:
+    env = dict(os.environ)
+    if layout in ("tp2", "ep2") and not gpus():
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                            " --xla_force_host_platform_device_count=8").strip()
+    return env
+
+
+def table(rows: list[dict]) -> str:
+    head = f"{'layout':<14} {'dtype':<9} {'exact':>7} {'correct':>9} {'identical to agg.':>18} {'s':>6}"
+    out = [head, "-" * len(head)]
+    for r in rows:
+        same = r.get("agreement")
+        ident = (f"{same['identical']}/{same['of']}" if same else
+                 "(reference)" if r["layout"] == "aggregated" else "-")
+        out.append(f"{r['layout']:<14} {r['dtype']:<9} {r['exact']:>7.1%} "
+                   f"{r['correct']:>4}/{r['n']:<4} {ident:>18} {r['seconds']:>6.0f}")
+    return "\n".join(out)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.accuracy", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny-math")
+    p.add_argument("--num-problems", type=int, default=200)
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
+                   choices=["float32", "bfloat16"])
+    p.add_argument("--layouts", nargs="+", default=None, choices=list(LAYOUTS),
+                   help="default: aggregated, disaggregated, tp2 (and ep2 for a MoE model)")
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--port", type=int, default=8400)
+    p.add_argument("--startup-timeout", type=float, default=900)
+    p.add_argument("--result-dir", default="out")
+    return p
+
+
+def main(argv=None) -> list[dict]:
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")  # a client: leave the devices to the servers
+    args, server_flags = parser().parse_known_args(argv)
+    from serving.llm import model_config
+
+    moe = model_config(args.model).is_moe
+    layouts = args.layouts or ["aggregated", "disaggregated", "tp2"] + (["ep2"] if moe else [])
+    if "aggregated" in layouts:
+        layouts = ["aggregated"] + [x for x in layouts if x != "aggregated"]
+    if not gpus() and not server_flags:
+        server_flags = CPU_ENGINE_FLAGS
+    server_flags = server_flags + ["--log-level", "warning"]
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    probs = problems.held_out(args.num_problems)
+    prompts = [p.prompt for p in probs]
+    rows, reference = [], {}
+    os.makedirs(args.result_dir, exist_ok=True)
+    for dtype in args.dtypes:
+        for layout in layouts:
+            url = f"http://127.0.0.1:{args.port}"
+            proc = start_server(server_command(layout, args.model, dtype, args.port,
+                                               server_flags), url, args.startup_timeout,
+                                env=server_env(layout))
+            try:
+                t0 = time.perf_counter()
+                outs = ask(url, prompts, args.concurrency)
+                seconds = time.perf_counter() - t0
+            finally:
+                stop_server(proc)
+            row = {"model": args.model, "layout": layout, "dtype": dtype,
+                   **score(probs, outs), "seconds": round(seconds, 1)}
+            if layout == "aggregated":
+                reference[dtype] = outs
+            elif dtype in reference:
+                row["agreement"] = agreement(outs, reference[dtype])
+            row["texts"] = [o["text"] for o in outs]
+            rows.append(row)
+            print(table(rows[-1:]).splitlines()[-1], flush=True)
+    print(table(rows))
+    path = os.path.join(args.result_dir, "accuracy.json")
+    with open(path, "w") as f:
+        json.dump(rows, f, indent=1)
+    print("wrote", path)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Training the built-in ``tiny-math`` models (``python -m qwen35_jax.train``)."""
