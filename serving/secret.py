@@ -12,6 +12,7 @@ same value by their operator.
 
 from __future__ import annotations
 
+import hmac
 import os
 import secrets
 
@@ -49,3 +50,9 @@ def load(environ=os.environ) -> str:
 def header(secret: str) -> dict[str, str]:
     """The HTTP header that carries ``secret``."""
     return {"Authorization": f"Bearer {secret}"}
+
+
+def bearer_matches(authorization: str | None, secret: str) -> bool:
+    """Whether an ``Authorization`` header value carries ``secret`` (constant time)."""
+    given = (authorization or "").encode()
+    return hmac.compare_digest(given, header(secret)["Authorization"].encode())

@@ -16,7 +16,7 @@ from serving.errors import EngineDead, EngineOverloaded, TransferFailed
 from serving.kv_transfer import CacheLayout, source_record
 from serving.messages import DecodeRequest, Sampling
 from serving.worker import DecodeWorker, PrefillWorker, build_app
-from serving.worker.prefill import prompt_digest
+from serving.worker.common import prompt_digest
 from transfer import Claim, HandshakeError, Ticket, TransferParamsError
 from transfer.manager import Completion, TransferError
 

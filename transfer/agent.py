@@ -74,7 +74,7 @@ class Agent:
             # NVLinks on GPU 0 (``uct_cuda_ipc_iface_get_max_get_zcopy``); elsewhere, e.g.
             # prefill and decode processes on one H200, the READ fell back to software
             # emulation over TCP at 0.5 GB/s. Forced on, the same READ ran at copy speed
-            # (bench/RESULTS.md, issue 5, one H200). UCX reads it when the agent's context
+            # (bench/RESULTS.md, "Transfer", one H200). UCX reads it when the agent's context
             # starts; a value already in the environment wins.
             os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
         given = os.environ.get("UCX_NET_DEVICES")

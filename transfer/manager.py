@@ -101,7 +101,7 @@ ERROR, TIMEOUT, PEER_GONE, STALE = "error", "timeout", "peer_gone", "stale"
 RESEND = 0.25  # seconds between repeats of an unacknowledged "done"
 # Seconds between polls while a READ into VRAM is in flight: a whole request lands in about
 # a millisecond over cuda_ipc, and a 0.5 ms poll put a ~0.6 ms floor under every READ
-# (bench/RESULTS.md, issue 5). DRAM READs take tens of ms; they poll every 0.5 to 1 ms.
+# (bench/RESULTS.md, "Transfer"). DRAM READs take tens of ms; they poll every 0.5 to 1 ms.
 POLL_VRAM_PULL = 0.0001
 
 

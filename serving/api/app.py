@@ -15,7 +15,6 @@ stream and no health check. With `api_key`, the /v1 routes require
 """
 
 import contextlib
-import hmac
 import time
 import uuid
 
@@ -33,6 +32,7 @@ from serving.api.protocol import (ChatCompletionChunk, ChatCompletionRequest,
                                   ErrorResponse, ModelCard, ModelList)
 from serving.api.text import Tokenizer
 from serving.body_limit import DEFAULT_MAX_BYTES, BodyLimit
+from serving.secret import bearer_matches
 
 _ERRORS = {400: {"model": ErrorResponse, "description": "Invalid request"},
            401: {"model": ErrorResponse, "description": "Missing or wrong API key"},
@@ -80,11 +80,9 @@ def build_app(backend: Backend, tokenizer: Tokenizer, model_name: str, *,
                   lifespan=lifespan)
     errors.install(app)
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes, error=errors.error_body_of)
-    expected = None if api_key is None else f"Bearer {api_key}".encode()
-
     async def authorised(request: Request) -> None:
-        given = request.headers.get("authorization", "").encode()
-        if expected is not None and not hmac.compare_digest(given, expected):
+        if api_key is not None and not bearer_matches(request.headers.get("authorization"),
+                                                      api_key):
             raise errors.APIError("Unauthorized: a valid API key is required", status=401)
 
     keyed = [Depends(authorised)]

@@ -15,7 +15,6 @@ size (413) before any of them reaches the engine; errors are ``{"detail": ...}``
 
 from __future__ import annotations
 
-import hmac
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -24,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from serving.body_limit import BodyLimit
 from serving.errors import EngineDead, EngineOverloaded, TransferFailed
 from serving.messages import DecodeFrame, DecodeRequest, PeerLost, PrefillRequest, Sources
-from serving.secret import header
+from serving.secret import bearer_matches
 from transfer import TransferParamsError
 
 
@@ -52,11 +51,8 @@ async def _body(request: Request, model: type[BaseModel]):
 
 def build_app(worker, *, secret: str, max_body_bytes: int,
               fault_injection: bool = False) -> FastAPI:
-    expected = header(secret)["Authorization"].encode()
-
     async def authorised(request: Request) -> None:
-        given = request.headers.get("authorization", "").encode()
-        if not hmac.compare_digest(given, expected):
+        if not bearer_matches(request.headers.get("authorization"), secret):
             raise _Unauthorised
 
     app = FastAPI(title=f"qwen35-jax {worker.role} worker", dependencies=[Depends(authorised)],

@@ -13,12 +13,14 @@ the next tick, through the step fence.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import uuid
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from serving.async_engine import AsyncEngine
 from serving.engine import Engine, EngineConfig
@@ -29,6 +31,12 @@ from transfer import Agent, Faults, ProgressThread, TransferManager, free_bytes
 from transfer.agent import LOOPBACK
 
 log = logging.getLogger("serving.worker")
+
+
+def prompt_digest(prompt: list[int], first_token: int) -> str:
+    """What a lease's state holds: the prompt, then the first token to feed."""
+    data = np.asarray([*prompt, first_token], np.int64).tobytes()
+    return hashlib.sha256(data).hexdigest()
 
 
 class WorkerBase:
@@ -87,8 +95,8 @@ class WorkerBase:
         """Before NIXL touches the cache: on a mesh, wait until every device has finished
         the steps dispatched so far.  The engine takes a step as done once it has read the
         step's tokens, and on a mesh that does not prove every device has finished writing
-        its cache shard (seen on CPU in a third of TP2 steps; waiting for the tokens on
-        every device was not enough either): the prompt's KV on the source, or on the
+        its cache shard (on CPU, a third of TP2 steps are still writing then, whether
+        the tokens of one device or of every device were read): the prompt's KV on the source, or on the
         destination a stale step's writes into blocks and a slot just freed and reserved
         for the transfer.  NIXL is ordered with none of it (transfer/memory.py).  One
         device: reading the tokens proves the step done, and nothing waits."""

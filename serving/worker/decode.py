@@ -32,8 +32,7 @@ import logging
 from serving.errors import TransferFailed
 from serving.kv_transfer import pull_items
 from serving.messages import DecodeRequest
-from serving.worker.common import WorkerBase
-from serving.worker.prefill import prompt_digest
+from serving.worker.common import WorkerBase, prompt_digest
 from transfer import Claim, ClaimError, HandshakeError, TransferParamsError
 
 log = logging.getLogger("serving.worker")

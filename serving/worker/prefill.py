@@ -3,7 +3,7 @@ on, pins the prompt's KV blocks and GDN state under a lease for a decode worker.
 
 The lease describes what it pins (``meta``): this side's cache layout and the request's
 blocks and slot (``kv_transfer.source_record``); its key is a digest of the prompt and
-first token whose state it holds (``prompt_digest``), so only a decode worker continuing
+first token whose state it holds (``common.prompt_digest``), so only a decode worker continuing
 this very request can claim it, and it reads only these bytes. The memory is freed when
 the claimant's READ notification arrives, when the claimant drops the lease, when the
 lease expires, or when the router reports the claimant gone (``peer_lost``).
@@ -13,23 +13,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
 import logging
 
-import numpy as np
 
 from serving.kv_transfer import source_record
 from serving.messages import PrefillRequest, PrefillResult
-from serving.worker.common import WorkerBase
+from serving.worker.common import WorkerBase, prompt_digest
 from transfer import Ticket
 
 log = logging.getLogger("serving.worker")
-
-
-def prompt_digest(prompt: list[int], first_token: int) -> str:
-    """What a lease's state holds: the prompt, then the first token to feed."""
-    data = np.asarray([*prompt, first_token], np.int64).tobytes()
-    return hashlib.sha256(data).hexdigest()
 
 
 class PrefillWorker(WorkerBase):
