@@ -203,15 +203,16 @@ def test_sampler_mode_is_what_the_rows_need_and_changes_no_token():
 def test_capacity_split_from_memory_stats():
     from qwen35_jax import get_preset
     from qwen35_jax.cache import HybridCache
-    from serving.engine.capacity import plan_capacity
+    from serving.engine.capacity import cache_dtype, plan_capacity
     from serving.engine.config import EngineConfig
 
     cfg = get_preset("35B-A3B")
     c = EngineConfig(max_num_seqs=64, max_model_len=8192, block_size=16, memory_utilization=0.9)
     gib = 2**30
     r = plan_capacity(cfg, c, jnp.bfloat16, {"bytes_limit": 140 * gib, "bytes_in_use": 120 * gib})
-    block = HybridCache.bytes_per_block(cfg, 16, jnp.bfloat16)
-    slot = HybridCache.bytes_per_slot(cfg, jnp.bfloat16, jnp.float32)
+    kept = cache_dtype(jnp.bfloat16)  # bfloat16 on accelerators, float32 on a CPU
+    block = HybridCache.bytes_per_block(cfg, 16, kept)
+    slot = HybridCache.bytes_per_slot(cfg, kept, jnp.float32)
     assert r["num_slots"] == 64 and r["state_bytes"] == 64 * slot
     assert c.num_blocks == r["num_blocks"] == (int(140 * gib * 0.9) - 120 * gib - 64 * slot) // block
     assert r["kv_bytes"] + r["state_bytes"] <= r["budget_bytes"]

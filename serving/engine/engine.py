@@ -243,11 +243,7 @@ class Engine:
 
     def _new_request(self, prompt, params, request_id) -> Request:
         params = params or SamplingParams()
-        bad = next((t for t in prompt if not self._is_token(t)), None)
-        if bad is not None:
-            raise ValueError(f"prompt token {bad!r} is not a token id of the vocabulary "
-                             f"(size {self.vocab_size})")
-        prompt = [int(t) for t in prompt]
+        prompt = self._token_ids(prompt)
         if not prompt:
             raise ValueError("empty prompt")
         if len(prompt) >= self.config.max_model_len:
@@ -265,6 +261,23 @@ class Engine:
         req = Request(request_id, prompt, params, seed)
         self.requests[request_id] = req
         return req
+
+    def _token_ids(self, prompt) -> list[int]:
+        """The prompt as a list of ints; ValueError naming its first entry that is no token
+        id. A list of Python ints (what the servers pass) is checked in bulk by NumPy: one
+        by one, a 32k-token prompt held the engine thread for ~9 ms."""
+        if all(type(t) is int for t in prompt):
+            try:
+                ids = np.fromiter(prompt, np.int64, len(prompt))
+            except OverflowError:  # beyond int64: the loop below names it
+                ids = None
+            if ids is not None and (not ids.size or (ids.min() >= 0 and ids.max() < self.vocab_size)):
+                return list(prompt)
+        bad = next((t for t in prompt if not self._is_token(t)), None)
+        if bad is not None:
+            raise ValueError(f"prompt token {bad!r} is not a token id of the vocabulary "
+                             f"(size {self.vocab_size})")
+        return [int(t) for t in prompt]
 
     def _is_token(self, t) -> bool:
         """Whether `t` is a token id: anything else would overflow or index out of the
