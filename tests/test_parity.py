@@ -69,7 +69,9 @@ def servers(tmp_path_factory):
         yield agg[1], disagg[1], disagg[0]
     finally:
         for proc, _ in (agg, disagg):
-            if proc.poll() is None:
+            if proc.poll() is None:  # its workers run in sessions of their own
+                for child in psutil.Process(proc.pid).children(recursive=True):
+                    child.kill()
                 os.killpg(proc.pid, signal.SIGKILL)
 
 
