@@ -37,14 +37,14 @@ def test_the_shipped_moe_model_solves_held_out_problems():
     dense model's go through both servers (test_parity, test_accuracy)."""
     llm = LLM("tiny-math-moe", max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256,
               num_blocks=64)
-    probs = problems.held_out(32)
+    probs = problems.held_out(24)
     greedy = SamplingParams(max_tokens=96, temperature=0)
     outs = llm.generate([p.prompt for p in probs], greedy)
     text = [llm.tokenizer.decode(o.token_ids, skip_special_tokens=True) for o in outs]
     assert np.mean([problems.extract(t) == p.answer for t, p in zip(text, probs)]) >= 0.9
     chats = [llm.tokenizer.encode(llm.tokenizer.apply_chat_template(
         [{"role": "user", "content": p.question}], add_generation_prompt=True, tokenize=False),
-        add_special_tokens=False) for p in probs[:16]]
+        add_special_tokens=False) for p in probs[:8]]
     outs = llm.generate(chats, greedy)
     text = [llm.tokenizer.decode(o.token_ids, skip_special_tokens=True) for o in outs]
     assert np.mean([problems.extract(t) == p.answer for t, p in zip(text, probs)]) >= 0.9
