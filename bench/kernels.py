@@ -66,6 +66,32 @@ PREFILL_CFGS = [None, dict(_TRITON, inverse="block32", mode="M"),
                 dict(main="mgpu")]
 
 
+def _snapshot_check(tag, cu, inputs, init, pcfg, o_plain, tol):
+    """Prefill with snapshot ends (inside a chunk, on a chunk boundary, at a sequence's
+    end, one token in, outside every sequence): each snapshot is the oracle's final
+    state of the truncated sequence, and the outputs are those of the plain call."""
+    q, k, v, g, beta = inputs
+    ends = np.array([16, 64, 65, 66 + 64, 66 + 130 + 1, -1], np.int32)
+    o, _, snaps = jax.jit(lambda c, e, *a: gdn_prefill(
+        *a, initial_state=init, cu_seqlens=c, use_qk_l2norm=True, snapshot_ends=e,
+        backend=harness.BACKEND, config=pcfg))(jnp.asarray(cu), jnp.asarray(ends), *inputs)
+    check(tag + " snapshots: o", oracle.rel_err(f64(o), f64(o_plain)), tol)
+    Hv, dk, dv = v.shape[2], q.shape[3], v.shape[3]
+    worst = 0.0
+    for s, e in enumerate(ends):
+        n = int(np.searchsorted(cu[1:], e - 1, side="right"))
+        if n >= len(cu) - 1 or not cu[n] < e <= cu[n + 1]:
+            worst = max(worst, float(np.abs(f64(snaps[s])).max()))  # zero
+            continue
+        a = slice(int(cu[n]), int(e))
+        _, want = oracle.gdn_prefill_oracle(
+            f64(q[0, a]), f64(k[0, a]), f64(v[0, a]), f64(g[0, a]), f64(beta[0, a]),
+            [0, e - cu[n]], np.zeros((1, Hv, dk, dv)) if init is None else f64(init[n:n + 1]),
+            dk ** -0.5, True)
+        worst = max(worst, oracle.rel_err(f64(snaps[s]), want[0]))
+    check(tag + " snapshots: states", worst, tol)
+
+
 def small_checks():
     log("== float64-oracle checks on the GPU (backend=pallas) ==")
     rng = np.random.default_rng(int(time.time()))
@@ -96,6 +122,7 @@ def small_checks():
                 check(tag + " o", oracle.rel_err(f64(o[0]), o_ref), tol)
                 check(tag + " state", oracle.rel_err(f64(fin), f_ref), tol)
                 check(tag + " pad==0", float(np.abs(f64(o[0, cu[-1]:])).max()), 0.0)
+                _snapshot_check(tag, cu, (q, k, v, g, beta), init, pcfg, o, tol)
             except Exception as e:  # noqa: BLE001
                 log("  prefill check FAILED to run:", repr(e)[:2000])
                 RESULTS["errors"].append(("prefill_check", repr(e)[:4000]))

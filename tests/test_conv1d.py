@@ -120,3 +120,27 @@ def test_conv1d_update_continues_prefill(backend):
         a, b, p, jnp.array([1], jnp.int32), backend=backend))(x[T - 1:], w, pool)
     assert rel_err(y[0], _np(y_all[T - 1])) < F32_TOL
     np.testing.assert_array_equal(_np(pool[1]), _np(x[T - K + 1:]))
+
+
+@pytest.mark.parametrize("backend", ["interpret", "reference"])
+def test_prefill_snapshots_are_the_states_of_the_truncated_sequences(backend):
+    rng = np.random.default_rng(29)
+    lens, C, K = [7, 1, 0, 20], 8, 4
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    T = int(cu[-1]) + 3
+    x = jnp.asarray(rng.standard_normal((T, C)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((C, K)), jnp.float32)
+    init = jnp.asarray(rng.standard_normal((len(lens), K - 1, C)), jnp.float32)
+    ends = np.array([1, 2, 7, 8, 9, 10, 28, 0, -3, 40], np.int32)
+    y, fin, snaps = causal_conv1d_prefill(x, w, cu_seqlens=jnp.asarray(cu), initial_state=init,
+                                          snapshot_ends=jnp.asarray(ends), backend=backend)
+    y_ref, f_ref = oracle_prefill(_np(x), _np(w), cu, _np(init), "silu")
+    assert rel_err(y, y_ref) < F32_TOL and rel_err(fin, f_ref) < F32_TOL
+    for s, e in enumerate(ends):
+        n = int(np.searchsorted(cu[1:], e - 1, side="right"))
+        if n < len(lens) and cu[n] < e <= cu[n + 1]:
+            _, want = oracle_prefill(_np(x[cu[n]:e]), _np(w), [0, e - cu[n]], _np(init[n:n + 1]),
+                                     "silu")
+            np.testing.assert_array_equal(_np(snaps[s]), want[0])
+        else:
+            assert np.all(_np(snaps[s]) == 0.0), (s, e)

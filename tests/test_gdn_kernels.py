@@ -357,3 +357,58 @@ def test_prefill_inverse_correlated_keys(inverse):
                                   cu, np.zeros((2, Hv, dk, dv)), dk ** -0.5, True)
     assert rel_err(o[0], o_ref) < F32_TOL
     assert rel_err(fin, f_ref) < F32_TOL
+
+
+# snapshot ends: inside chunks, on a chunk boundary, at a sequence's end, one token in,
+# in a zero-length sequence, in the padding, negative
+SNAPSHOT_LENS = [70, 5, 0, 150]
+
+
+@pytest.mark.parametrize("backend", ["interpret", "reference", "recurrent"])
+def test_prefill_snapshots_are_the_states_of_the_truncated_sequences(backend):
+    rng = np.random.default_rng(29)
+    Hk, Hv, dk, dv = 1, 2, 16, 32
+    lens = SNAPSHOT_LENS
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    T = int(cu[-1]) + 9
+    q, k, v, g, beta = make_inputs(rng, 1, T, Hk, Hv, dk, dv, jnp.float32, True)
+    init = jnp.asarray(rng.standard_normal((len(lens), Hv, dk, dv)) * 0.5, jnp.float32)
+    ends = np.array([16, 64, 70, 72, 75, 76, 75 + 128, 75 + 150, 75 + 151, -1, 0, 5000],
+                    np.int32)
+    fn = jax.jit(lambda cu_, e, *a: gdn_prefill(*a, initial_state=init, cu_seqlens=cu_,
+                                                use_qk_l2norm=True, snapshot_ends=e,
+                                                backend=backend, config=dict(bv=16)))
+    o, fin, snaps = fn(jnp.asarray(cu), jnp.asarray(ends), q, k, v, g, beta)
+    o_ref, f_ref = oracle_prefill(_np(q[0]), _np(k[0]), _np(v[0]), _np(g[0]), _np(beta[0]),
+                                  cu, _np(init), dk ** -0.5, True)
+    assert rel_err(o[0], o_ref) < F32_TOL  # the cuts change no output
+    assert rel_err(fin, f_ref) < F32_TOL
+    assert snaps.shape == (len(ends), Hv, dk, dv)
+    for s, e in enumerate(ends):
+        n = int(np.searchsorted(cu[1:], e - 1, side="right"))
+        if n < len(lens) and cu[n] < e <= cu[n + 1]:
+            _, want = oracle_prefill(_np(q[0, cu[n]:e]), _np(k[0, cu[n]:e]), _np(v[0, cu[n]:e]),
+                                     _np(g[0, cu[n]:e]), _np(beta[0, cu[n]:e]), [0, e - cu[n]],
+                                     _np(init[n:n + 1]), dk ** -0.5, True)
+            assert rel_err(snaps[s], want[0]) < F32_TOL, (s, e)
+        else:
+            assert np.all(_np(snaps[s]) == 0.0), (s, e)
+
+
+def test_snapshot_chunk_table_cuts_chunks_at_the_ends_only():
+    cu = jnp.asarray(np.array([0, 70, 75, 75, 225], np.int32))
+    ends = jnp.asarray(np.array([16, 64, 75, 203, -1, 300], np.int32))
+    tab = jax.jit(lambda c, e: chunk_table(c, 230, 64, e))(cu, ends)
+    n = int(tab["seq_nchunks"].sum())
+    start, length = np.asarray(tab["start"])[:n], np.asarray(tab["length"])[:n]
+    seq, emit = np.asarray(tab["seq"])[:n], np.asarray(tab["emit"])[:n]
+    # chunks tile each sequence in order; cut at 16 and 203 (64, 75 are chunk or
+    # sequence ends already)
+    assert list(start) == [0, 16, 64, 70, 75, 139, 203]
+    assert list(start + length) == [16, 64, 70, 75, 139, 203, 225]
+    assert list(seq) == [0, 0, 0, 1, 3, 3, 3]
+    assert list(emit) == [0, 1, -1, 2, -1, 3, -1]
+    assert list(np.asarray(tab["first"])[:n]) == [1, 0, 0, 1, 1, 0, 0]
+    assert list(np.asarray(tab["last"])[:n]) == [0, 0, 1, 1, 0, 0, 1]
+    assert list(np.asarray(tab["seq_first_chunk"])) == [0, 3, 4, 4]
+    assert list(np.asarray(tab["seq_nchunks"])) == [3, 1, 0, 3]

@@ -1,12 +1,15 @@
 """Public causal conv1d ops with backend dispatch."""
 from __future__ import annotations
 
+import jax.numpy as jnp
+
 from .._dispatch import resolve
 from . import reference as _ref
 
 
 def causal_conv1d_prefill(x, weight, *, cu_seqlens, initial_state=None,
-                          activation="silu", backend="auto", config=None):
+                          activation="silu", snapshot_ends=None, backend="auto",
+                          config=None):
     """Depthwise causal conv over packed sequences.
 
     x [T,C]; weight [C,K] (tap j multiplies x[t-(K-1)+j]); cu_seqlens int32
@@ -14,16 +17,28 @@ def causal_conv1d_prefill(x, weight, *, cu_seqlens, initial_state=None,
     zeros).  Returns (y [T,C] in x.dtype, computed in fp32, padding tokens past
     cu[N] -> 0; final_state [N,K-1,C] in x.dtype = last K-1 inputs of each
     sequence, drawing on initial_state for short sequences).
+
+    snapshot_ends (int32 [S]): as ``gdn_prefill``'s; adds a third output [S,K-1,C] in
+    x.dtype, the conv state after the tokens before each end (zero for an end inside
+    no sequence).  It is a gather of inputs, the same for every backend.
     """
     b = resolve("conv1d_prefill", backend)
     if b in ("reference", "recurrent"):
-        return _ref.causal_conv1d_prefill_reference(
+        y, final = _ref.causal_conv1d_prefill_reference(
             x, weight, cu_seqlens=cu_seqlens, initial_state=initial_state,
             activation=activation)
-    from .pallas_triton import causal_conv1d_prefill_pallas
-    return causal_conv1d_prefill_pallas(
-        x, weight, cu_seqlens=cu_seqlens, initial_state=initial_state,
-        activation=activation, interpret=(b == "interpret"), config=config)
+    else:
+        from .pallas_triton import causal_conv1d_prefill_pallas
+        y, final = causal_conv1d_prefill_pallas(
+            x, weight, cu_seqlens=cu_seqlens, initial_state=initial_state,
+            activation=activation, interpret=(b == "interpret"), config=config)
+    if snapshot_ends is None:
+        return y, final
+    from ..gdn.reference import locate_snapshots
+    cu = jnp.asarray(cu_seqlens).astype(jnp.int32)
+    seq, ok = locate_snapshots(cu, x.shape[0], snapshot_ends)
+    states = _ref.conv1d_states_at(x, cu, initial_state, weight.shape[1], snapshot_ends, seq)
+    return y, final, jnp.where(ok[:, None, None], states, 0)
 
 
 def causal_conv1d_update(x, weight, state_pool, slots, *, activation="silu",

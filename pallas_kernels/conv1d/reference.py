@@ -34,16 +34,22 @@ def conv1d_final_state(x, cu, initial_state, K):
     """Last K-1 inputs of each sequence [N, K-1, C] (drawing on initial_state
     when the sequence is shorter than K-1)."""
     N = cu.shape[0] - 1
+    return conv1d_states_at(x, cu, initial_state, K, cu[1:], jnp.arange(N, dtype=jnp.int32))
+
+
+def conv1d_states_at(x, cu, initial_state, K, ends, seq):
+    """The conv state after the tokens of sequence seq[s] before packed index ends[s]:
+    its last K-1 inputs there [S, K-1, C], drawing on the sequence's initial_state
+    where fewer than K-1 of its tokens precede the end."""
     T, C = x.shape
-    lens = cu[1:] - cu[:-1]
     i = jnp.arange(K - 1, dtype=jnp.int32)
-    rel = lens[:, None] - (K - 1) + i[None, :]  # relative to sequence start
-    from_x = x[jnp.clip(cu[:-1][:, None] + rel, 0, max(T - 1, 0))]
+    rel = (ends - cu[:-1][seq])[:, None] - (K - 1) + i[None, :]  # relative to sequence start
+    from_x = x[jnp.clip(cu[:-1][seq][:, None] + rel, 0, max(T - 1, 0))]
     if initial_state is None:
-        from_init = jnp.zeros((N, K - 1, C), x.dtype)
+        from_init = jnp.zeros(rel.shape + (C,), x.dtype)
     else:
         from_init = jnp.take_along_axis(
-            initial_state.astype(x.dtype),
+            initial_state.astype(x.dtype)[seq],
             jnp.clip(K - 1 + rel, 0, K - 2)[:, :, None], axis=1)
     return jnp.where((rel >= 0)[..., None], from_x, from_init)
 

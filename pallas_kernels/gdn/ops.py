@@ -6,8 +6,8 @@ from . import reference as _ref
 
 
 def gdn_prefill(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None,
-                output_final_state=True, use_qk_l2norm=False, backend="auto",
-                config=None):
+                output_final_state=True, use_qk_l2norm=False, snapshot_ends=None,
+                backend="auto", config=None):
     """Chunked gated-delta-rule prefill (FLA layout).
 
     q, k [B,T,Hk,dk]; v [B,T,Hv,dv] (Hv % Hk == 0; value head h reads key head
@@ -18,9 +18,16 @@ def gdn_prefill(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=
     padding (output 0).  scale defaults to dk**-0.5 (applied after the optional
     l2norm).  Returns (o in v.dtype [B,T,Hv,dv], final_state float32
     [N,Hv,dk,dv] or None).
+
+    snapshot_ends (int32 [S], traced values allowed): packed token indices e; the
+    state after a sequence's tokens before e (cu[n] < e <= cu[n+1]) is returned as a
+    third output, float32 [S,Hv,dk,dv], zero for an e inside no sequence.  The walk
+    over chunks ends a chunk at each e and stores the state it carries there: a
+    prefix cache's GDN snapshots at block boundaries cost no second pass.
     """
     kw = dict(scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
-              output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm)
+              output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm,
+              snapshot_ends=snapshot_ends)
     b = resolve("gdn_prefill", backend)
     if b == "reference":
         return _ref.gdn_chunked_reference(q, k, v, g, beta, **kw)

@@ -54,7 +54,8 @@ except Exception:  # pragma: no cover
     plt = None
 
 from . import mgpu
-from .reference import CHUNK, chunk_table, normalize_cu_seqlens, _check_shapes, _default_scale
+from .reference import (CHUNK, chunk_table, locate_snapshots, normalize_cu_seqlens, _check_shapes,
+                        _default_scale)
 
 _HI = lax.Precision.HIGHEST
 
@@ -248,12 +249,15 @@ def _intra_kernel(start_ref, len_ref, k_ref, g_ref, b_ref, m_ref, gam_ref, *,
 # ----------------------------------------------------------------------------
 # prefill kernel 2: sequential state pass + output
 # ----------------------------------------------------------------------------
-def _main_kernel(cu_ref, sfirst_ref, snch_ref, start_ref, len_ref,
+def _main_kernel(cu_ref, sfirst_ref, snch_ref, start_ref, len_ref, emit_ref,
                  q_ref, k_ref, v_ref, m_ref, gam_ref, init_ref,
-                 o_ref, fin_ref, *, ratio, use_l2, scale, mm_dtype, bv,
+                 o_ref, fin_ref, *snap_ref, ratio, use_l2, scale, mm_dtype, bv,
                  has_init, n_seq, total_rows, mode):
     """mode "M": v_ref = v (tokens), m_ref = M [C,Hv,64,64];
-    mode "wu": v_ref = u [C,Hv,64,dv], m_ref = w [C,Hv,64,dk]."""
+    mode "wu": v_ref = u [C,Hv,64,dv], m_ref = w [C,Hv,64,dk].
+    With snapshots (snap_ref [S,Hv,dk,dv]), the state after a chunk whose ``emit`` is
+    a row is stored there too: the walk passes every snapshot end (the chunk table
+    ends chunks at them), so no second pass computes them."""
     s = pl.program_id(0)
     h = pl.program_id(1)
     iv = pl.program_id(2)
@@ -305,7 +309,14 @@ def _main_kernel(cu_ref, sfirst_ref, snch_ref, start_ref, len_ref,
         o = eg[:, None] * qs + _mm(p, vd, mm_dtype=mm_dtype)
         _store(o_ref.at[pl.ds(start, L), h, pl.ds(v0, bv)], o.astype(o_ref.dtype), mask=vm)
         kd = k * jnp.exp(gl - gam)[:, None]
-        return jnp.exp(gl) * S + _mm(kd, vd, ta=True, mm_dtype=mm_dtype)
+        S = jnp.exp(gl) * S + _mm(kd, vd, ta=True, mm_dtype=mm_dtype)
+        if snap_ref:
+            row = emit_ref[c]
+
+            @pl.when(row >= 0)
+            def _():
+                snap_ref[0][jnp.maximum(row, 0), h, :, pl.ds(v0, bv)] = S
+        return S
 
     S = lax.fori_loop(c0, c0 + nc, body, S0)
     fin_ref[s, h, :, pl.ds(v0, bv)] = S
@@ -337,8 +348,8 @@ _TRITON_KEYS = {"bv", "intra_warps", "intra_stages", "main_warps", "main_stages"
 
 def gdn_prefill_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
                        cu_seqlens=None, output_final_state=True,
-                       use_qk_l2norm=False, interpret=False, config=None,
-                       _only_intra=False):
+                       use_qk_l2norm=False, snapshot_ends=None, interpret=False,
+                       config=None, _only_intra=False):
     """Pallas prefill.  Same interface / semantics as ``gdn_prefill``.
     (_only_intra: stop after the first launch; for timing the parts.)"""
     from ..tuning import gdn_prefill_config
@@ -367,7 +378,8 @@ def gdn_prefill_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
     # tiles on the GPU, and unit keys (their inverse runs in float16); float32 inputs
     # (IEEE fp32 products), other head sizes, keys not normalised here and interpret
     # mode keep the Triton ones.
-    if (cfg["main"] == "mgpu" and not interpret and use_qk_l2norm
+    # Snapshots are emitted by the Triton walk only (the Mosaic pair has no emit path).
+    if (cfg["main"] == "mgpu" and not interpret and use_qk_l2norm and snapshot_ends is None
             and mgpu.takes(q, k, v, cfg["bv_mgpu"])):
         out = mgpu.gdn_prefill_mgpu(qf, kf, vf, gf, bf, cu, initial_state, scale=scale,
                                     bv=cfg["bv_mgpu"], only_intra=_only_intra)
@@ -375,8 +387,9 @@ def gdn_prefill_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
             return out
         o, fin = out
         return o.reshape(B, T, Hv, dv), (fin if output_final_state else None)
-    tab = chunk_table(cu, TT, CHUNK)
+    tab = chunk_table(cu, TT, CHUNK, snapshot_ends)
     C = tab["c_max"]
+    n_snap = 0 if snapshot_ends is None else snapshot_ends.shape[0]
     rows = TT
     if interpret:  # dynamic slices clamp in interpret mode: pad by a chunk
         qf, kf, vf, gf, bf = (_pad_rows(x, CHUNK) for x in (qf, kf, vf, gf, bf))
@@ -429,20 +442,26 @@ def gdn_prefill_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
     has_init = initial_state is not None
     init = (initial_state.astype(jnp.float32) if has_init
             else jnp.zeros((1, 1, 1, 1), jnp.float32))
-    o, fin = pl.pallas_call(
+    snap_shape = (jax.ShapeDtypeStruct((n_snap, Hv, dk, dv), jnp.float32),) if n_snap else ()
+    o, fin, *snaps = pl.pallas_call(
         functools.partial(_main_kernel, ratio=ratio, use_l2=use_qk_l2norm,
                           scale=float(scale), mm_dtype=mm_dtype, bv=bv,
                           has_init=has_init, n_seq=N, total_rows=TT, mode=mode),
         out_shape=(jax.ShapeDtypeStruct((rows, Hv, dv), v.dtype),
-                   jax.ShapeDtypeStruct((N, Hv, dk, dv), jnp.float32)),
+                   jax.ShapeDtypeStruct((N, Hv, dk, dv), jnp.float32)) + snap_shape,
         grid=(N, Hv, dv // bv),
         compiler_params=_compiler_params(cfg["main_warps"], cfg["main_stages"]),
         interpret=interpret,
         name="gdn_chunk_main",
     )(cu, tab["seq_first_chunk"], tab["seq_nchunks"], tab["start"], tab["length"],
-      qf, kf, x_in, y_in, gam, init)
+      tab["emit"], qf, kf, x_in, y_in, gam, init)
     o = o[:TT].reshape(B, T, Hv, dv)
-    return o, (fin if output_final_state else None)
+    fin = fin if output_final_state else None
+    if snapshot_ends is None:
+        return o, fin
+    # rows no chunk emits (ends outside every sequence) are zero, as the references'
+    _, ok = locate_snapshots(cu, TT, snapshot_ends)
+    return o, fin, jnp.where(ok[:, None, None, None], snaps[0], 0.0)
 
 
 # ----------------------------------------------------------------------------

@@ -69,8 +69,9 @@ def normalize_cu_seqlens(B, T, cu_seqlens):
 # ----------------------------------------------------------------------------
 # chunk table for varlen inputs (static sizes, traced values)
 # ----------------------------------------------------------------------------
-def chunk_table(cu, total_tokens, chunk=CHUNK):
-    """Builds a table of chunks that never cross a sequence boundary.
+def chunk_table(cu, total_tokens, chunk=CHUNK, breaks=None):
+    """Builds a table of chunks that never cross a sequence boundary (nor, with
+    `breaks`, a snapshot end: see ``snapshot_chunk_table``).
 
     cu: int32 [N+1] (traced).  Returns a dict of int32 arrays of static length
     C_max = ceil(total_tokens / chunk) + N:
@@ -81,8 +82,11 @@ def chunk_table(cu, total_tokens, chunk=CHUNK):
       last  [C_max] bool, chunk is its sequence's last
       seq_first_chunk [N] index of each sequence's first chunk
       seq_nchunks [N]
+      emit  [C_max] row of `breaks` whose state this chunk ends at, else -1
     Tokens at index >= cu[N] or beyond total_tokens are never covered.
     """
+    if breaks is not None:
+        return snapshot_chunk_table(cu, total_tokens, chunk, breaks)
     N = cu.shape[0] - 1
     c_max = -(-total_tokens // chunk) + N
     cu = jnp.minimum(cu, total_tokens)
@@ -110,6 +114,56 @@ def chunk_table(cu, total_tokens, chunk=CHUNK):
         last=valid & (local == nch[seq_c] - 1),
         seq_first_chunk=off.astype(jnp.int32),
         seq_nchunks=nch.astype(jnp.int32),
+        emit=jnp.full((c_max,), -1, jnp.int32),
+        c_max=c_max,
+    )
+
+
+def locate_snapshots(cu, total_tokens, ends):
+    """Each snapshot end's sequence [S] and whether it is one: a packed token index e
+    (exclusive: the state after tokens [cu[n], e)) with cu[n] < e <= cu[n+1]."""
+    N = cu.shape[0] - 1
+    e = jnp.asarray(ends).astype(jnp.int32)
+    seq = jnp.searchsorted(cu[1:], e - 1, side="right", method="compare_all")
+    seq = jnp.clip(seq, 0, N - 1).astype(jnp.int32)
+    ok = (e > cu[:-1][seq]) & (e <= cu[1:][seq]) & (e <= total_tokens)
+    return seq, ok
+
+
+def snapshot_chunk_table(cu, total_tokens, chunk, breaks):
+    """``chunk_table`` whose chunks also end at every snapshot end in `breaks` (int32
+    [S], packed exclusive token ends; see ``locate_snapshots``; others are ignored), so
+    the state a prefill carries from chunk to chunk passes through each snapshot and
+    a kernel emits it where ``emit`` says, in the same walk: the sequences are cut
+    into segments at the ends, each segment chunked as a sequence, and a sequence's
+    chunks stay consecutive in the table. C_max = ceil(total / chunk) + N + S."""
+    N = cu.shape[0] - 1
+    S = breaks.shape[0]
+    e = jnp.asarray(breaks).astype(jnp.int32)
+    _, ok = locate_snapshots(cu, total_tokens, e)
+    bounds = jnp.sort(jnp.concatenate([cu, jnp.where(ok, e, cu[N])]))  # [N+1+S]
+    seg = chunk_table(bounds, total_tokens, chunk)  # segments as sequences
+    c_max = seg["c_max"]
+    valid = seg["length"] > 0
+    sid = jnp.minimum(seg["seq"], N + S - 1)
+    seg_start, seg_end = bounds[:-1][sid], bounds[1:][sid]
+    # the sequence holding a segment: the last whose start is at or before it
+    seq_of_seg = jnp.searchsorted(cu[1:], bounds[:-1], side="right", method="compare_all")
+    seq_of_seg = jnp.minimum(seq_of_seg, N - 1).astype(jnp.int32)
+    seq = seq_of_seg[sid]
+    at_end = jnp.full((total_tokens + 1,), -1, jnp.int32).at[
+        jnp.where(ok, e, total_tokens + 1)].set(jnp.arange(S, dtype=jnp.int32), mode="drop")
+    chunk_end = seg["start"] + seg["length"]
+    emit = jnp.where(valid & seg["last"], at_end[jnp.minimum(chunk_end, total_tokens)], -1)
+    nch = jax.ops.segment_sum(seg["seq_nchunks"], seq_of_seg, num_segments=N)
+    return dict(
+        seq=jnp.where(valid, seq, N).astype(jnp.int32),
+        start=seg["start"], length=seg["length"],
+        first=seg["first"] & (seg_start == cu[:-1][seq]),
+        last=seg["last"] & (seg_end == cu[1:][seq]),
+        seq_first_chunk=(jnp.cumsum(nch) - nch).astype(jnp.int32),
+        seq_nchunks=nch.astype(jnp.int32),
+        emit=emit.astype(jnp.int32),
         c_max=c_max,
     )
 
@@ -119,7 +173,7 @@ def chunk_table(cu, total_tokens, chunk=CHUNK):
 # ----------------------------------------------------------------------------
 def gdn_recurrent_reference(q, k, v, g, beta, *, scale=None, initial_state=None,
                             cu_seqlens=None, output_final_state=True,
-                            use_qk_l2norm=False):
+                            use_qk_l2norm=False, snapshot_ends=None):
     """Token-by-token lax.scan over the packed tokens (fp32)."""
     B, T, Hk, Hv, dk, dv = _check_shapes(q, k, v, g, beta)
     scale = _default_scale(scale, dk)
@@ -144,9 +198,16 @@ def gdn_recurrent_reference(q, k, v, g, beta, *, scale=None, initial_state=None,
     is_first = valid & (t == cu[:-1][seq_c])
     is_last = valid & (t == cu[1:][seq_c] - 1)
 
+    S_snap = 0 if snapshot_ends is None else snapshot_ends.shape[0]
+    emit = jnp.full((TT,), -1, jnp.int32)
+    if S_snap:
+        _, ok = locate_snapshots(cu, TT, snapshot_ends)
+        emit = emit.at[jnp.where(ok, snapshot_ends - 1, TT)].set(
+            jnp.arange(S_snap, dtype=jnp.int32), mode="drop")
+
     def step(carry, xs):
-        S, finals = carry
-        qt, kt, vt, gt, bt, sq, va, fi, la = xs
+        S, finals, snaps = carry
+        qt, kt, vt, gt, bt, sq, va, fi, la, em = xs
         S = jnp.where(fi, init[sq], S)
         Sd = S * jnp.exp(gt)[:, None, None]
         kv = jnp.einsum("hkv,hk->hv", Sd, kt, precision=_HI)
@@ -156,13 +217,21 @@ def gdn_recurrent_reference(q, k, v, g, beta, *, scale=None, initial_state=None,
         S = jnp.where(va, Sn, S)
         o = jnp.where(va, o, 0.0)
         finals = lax.cond(la, lambda f: f.at[sq].set(S), lambda f: f, finals)
-        return (S, finals), o
+        if S_snap:
+            snaps = snaps.at[em].set(S, mode="drop")  # em = S_snap (no snapshot): dropped
+        return (S, finals, snaps), o
 
     S0 = jnp.zeros((Hv, dk, dv), jnp.float32)
-    (_, finals), o = lax.scan(step, (S0, init),
-                              (qf, kf, vf, gf, bf, seq_c, valid, is_first, is_last))
+    snaps0 = jnp.zeros((S_snap, Hv, dk, dv), jnp.float32)
+    (_, finals, snaps), o = lax.scan(
+        step, (S0, init, snaps0),
+        (qf, kf, vf, gf, bf, seq_c, valid, is_first, is_last, jnp.where(emit < 0, S_snap, emit)))
     o = o.reshape(B, T, Hv, dv).astype(v.dtype)
-    return o, (finals if output_final_state else None)
+    return _with_snapshots(o, finals if output_final_state else None, snaps, snapshot_ends)
+
+
+def _with_snapshots(o, final, snaps, ends):
+    return (o, final) if ends is None else (o, final, snaps)
 
 
 # ----------------------------------------------------------------------------
@@ -190,17 +259,19 @@ def _intra_chunk(kc, bc, gc, mask):
 
 def gdn_chunked_reference(q, k, v, g, beta, *, scale=None, initial_state=None,
                           cu_seqlens=None, output_final_state=True,
-                          use_qk_l2norm=False, chunk=CHUNK):
-    """Chunked WY/UT reference: chunk table (never crossing sequences), the
-    intra-chunk parts batched over chunks, lax.scan over chunks for the state."""
+                          use_qk_l2norm=False, chunk=CHUNK, snapshot_ends=None):
+    """Chunked WY/UT reference: chunk table (never crossing sequences nor snapshot
+    ends), the intra-chunk parts batched over chunks, lax.scan over chunks for the
+    state, which is also written out where the table's ``emit`` says."""
     B, T, Hk, Hv, dk, dv = _check_shapes(q, k, v, g, beta)
     scale = _default_scale(scale, dk)
     r = Hv // Hk
     cu, N = normalize_cu_seqlens(B, T, cu_seqlens)
     TT = B * T
-    tab = chunk_table(cu, TT, chunk)
+    tab = chunk_table(cu, TT, chunk, snapshot_ends)
     C = tab["c_max"]
     L = chunk
+    S_snap = 0 if snapshot_ends is None else snapshot_ends.shape[0]
     pos = jnp.arange(L, dtype=jnp.int32)
     mask = pos[None, :] < tab["length"][:, None]  # [C,L]
     idx = jnp.where(mask, tab["start"][:, None] + pos[None, :], TT)  # TT = dummy
@@ -235,8 +306,8 @@ def gdn_chunked_reference(q, k, v, g, beta, *, scale=None, initial_state=None,
         init = initial_state.astype(jnp.float32)
 
     def step(carry, xs):
-        S, finals = carry
-        Wc, Uc, qgc, Pc, kdc, glc, sq, fi, la = xs
+        S, finals, snaps = carry
+        Wc, Uc, qgc, Pc, kdc, glc, sq, fi, la, em = xs
         S = jnp.where(fi, init[jnp.minimum(sq, N - 1)], S)
         vn = Uc - jnp.einsum("ihd,hdv->ihv", Wc, S, precision=_HI)
         o = (jnp.einsum("ihd,hdv->ihv", qgc, S, precision=_HI)
@@ -244,16 +315,20 @@ def gdn_chunked_reference(q, k, v, g, beta, *, scale=None, initial_state=None,
         S = (jnp.exp(glc)[:, None, None] * S
              + jnp.einsum("ihd,ihv->hdv", kdc, vn, precision=_HI))
         finals = lax.cond(la, lambda f: f.at[sq].set(S), lambda f: f, finals)
-        return (S, finals), o
+        if S_snap:
+            snaps = snaps.at[em].set(S, mode="drop")  # em = S_snap (no snapshot): dropped
+        return (S, finals, snaps), o
 
     S0 = jnp.zeros((Hv, dk, dv), jnp.float32)
-    (_, finals), oc = lax.scan(
-        step, (S0, init),
-        (W, U, qg, P, kdec, gl, tab["seq"], tab["first"], tab["last"]))
+    snaps0 = jnp.zeros((S_snap, Hv, dk, dv), jnp.float32)
+    emit = jnp.where(tab["emit"] < 0, S_snap, tab["emit"])
+    (_, finals, snaps), oc = lax.scan(
+        step, (S0, init, snaps0),
+        (W, U, qg, P, kdec, gl, tab["seq"], tab["first"], tab["last"], emit))
     out = jnp.zeros((TT + 1, Hv, dv), jnp.float32).at[idx.reshape(-1)].set(
         oc.reshape(C * L, Hv, dv), mode="drop")
     o = out[:TT].reshape(B, T, Hv, dv).astype(v.dtype)
-    return o, (finals if output_final_state else None)
+    return _with_snapshots(o, finals if output_final_state else None, snaps, snapshot_ends)
 
 
 # ----------------------------------------------------------------------------
