@@ -17,7 +17,7 @@ Each case runs ``seqs`` greedy requests of ``--prompt-len`` tokens twice, once f
 token and once for ``1 + steps`` tokens (``ignore_eos``); a decode step costs the
 difference over ``steps`` (``bench.timing.decode_step_seconds``); beside it, the median time
 the host spent dispatching a step (``DispatchTimer``). The caches are swapped under
-the same engine (``Runner.swap_cache``: same shapes and dtypes, so no recompile).
+the same engine (``Engine.swap_cache``: same shapes and dtypes, so no recompile).
 First it counts the copies of a whole cache array in the compiled programs (none on CPU).
 With ``--profile`` it also traces the plain engine on XLA's cache (``bench.profile``) and
 prints one decode step's kernels by time, and how much of the step the device was busy;
@@ -146,7 +146,7 @@ def main(argv=None) -> dict:
               f"{profile.table(profiles['prefill'])}", flush=True)
     for cache_kind in ("xla", "registered"):
         if cache_kind != "xla":
-            engine.runner.swap_cache(caches[cache_kind]())
+            engine.swap_cache(caches[cache_kind]())
         for loop, run in (("engine", run_sync), ("async", run_async)):
             for n in a.seqs:
                 prompts = [rng.integers(3, 500, a.prompt_len).tolist() for _ in range(n)]

@@ -5,6 +5,12 @@ packed back to back (``cu_seqlens``), each with the number of its tokens already
 in the cache (``start_pos``), its GDN state slot and its KV block table.  Shapes
 are static per bucket; padding tokens sit past ``cu_seqlens[-1]`` and padding
 sequences have length 0 and a slot past the pool, so their writes are dropped.
+
+Prefix caching adds two things.  A sequence's initial GDN state is read from
+``init_slots`` (its own slot, or a snapshot row when a prompt continues a cached
+prefix) and written to ``slots``.  A prefill step stores the GDN state after the
+tokens before each packed index in ``snapshot_ends`` into the state row
+``snapshot_slots`` names (a row past the pool: none), in the same chunk walk.
 """
 
 from __future__ import annotations
@@ -21,6 +27,9 @@ class Batch:
     slots: jnp.ndarray  # int32 [N]: GDN state slot; >= num_slots for a padding sequence
     block_tables: jnp.ndarray  # int32 [N, M]
     logits_indices: jnp.ndarray  # int32 [L]: tokens whose logits are returned
+    init_slots: jnp.ndarray | None = None  # int32 [N]: initial-state row (default: slots)
+    snapshot_ends: jnp.ndarray | None = None  # int32 [S]: packed exclusive token ends
+    snapshot_slots: jnp.ndarray | None = None  # int32 [S]: state row of each snapshot
     is_decode: bool = struct.field(pytree_node=False, default=False)  # one token per sequence
 
 
@@ -35,7 +44,10 @@ class StepMeta:
     block_tables: jnp.ndarray
     cu_seqlens: jnp.ndarray
     slots: jnp.ndarray
-    has_state: jnp.ndarray  # [N] bool: continue from the slot's state
+    init_slots: jnp.ndarray  # [N] row of the initial state
+    has_state: jnp.ndarray  # [N] bool: continue from the init_slots row's state
+    snapshot_ends: jnp.ndarray | None  # [S] or None: no snapshots
+    snapshot_slots: jnp.ndarray | None
     is_decode: bool = struct.field(pytree_node=False, default=False)
 
 
@@ -59,4 +71,10 @@ def step_meta(batch: Batch, *, num_blocks: int, block_size: int) -> StepMeta:
         positions=positions, seq_ids=seq,
         kv_block_ids=jnp.where(valid, blk, num_blocks), kv_offsets=positions % block_size,
         block_tables=batch.block_tables, cu_seqlens=batch.cu_seqlens, slots=batch.slots,
-        has_state=batch.start_pos > 0, is_decode=batch.is_decode)
+        init_slots=batch.slots if batch.init_slots is None else batch.init_slots,
+        has_state=batch.start_pos > 0, snapshot_ends=_nonempty(batch.snapshot_ends),
+        snapshot_slots=_nonempty(batch.snapshot_slots), is_decode=batch.is_decode)
+
+
+def _nonempty(a):
+    return None if a is None or a.shape[0] == 0 else a

@@ -13,15 +13,22 @@ VOCAB = 101
 NUM_BLOCKS, BLOCK, SLOTS = 48, 4, 8
 
 
-@pytest.fixture(scope="module")
-def engine():
+def make_engine(prefix_caching: bool, **kw) -> Engine:
     cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=96,
                        block_size=BLOCK, num_blocks=NUM_BLOCKS, num_slots=SLOTS,
                        max_logprobs=3, eos_token_ids=(0,),
                        buckets=Buckets(prefill_tokens=(16, 32), prefill_seqs=(2, 8),
-                                       decode_seqs=(4, 8)))
-    eng = Engine(FakeModel(VOCAB), FakeCache.allocate(NUM_BLOCKS, BLOCK, SLOTS), cfg,
-                 batch_type=FakeBatch)
+                                       decode_seqs=(4, 8)),
+                       enable_prefix_caching=prefix_caching, **kw)
+    return Engine(FakeModel(VOCAB), FakeCache.allocate(NUM_BLOCKS, BLOCK, cfg.num_state_rows),
+                  cfg, batch_type=FakeBatch)
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["prefix-off", "prefix-on"])
+def engine(request):
+    """Every test runs with prefix caching off and on (interval 2 blocks): outputs must
+    not change, memory must come back either way."""
+    eng = make_engine(request.param, prefix_state_interval=2)
     yield eng
     eng.close()
 
@@ -29,6 +36,10 @@ def engine():
 @pytest.fixture(autouse=True)
 def restore(engine):
     yield
+    reset_and_check(engine)
+
+
+def reset_and_check(engine):
     engine.config.async_scheduling = True
     engine.scheduler.max_num_batched_tokens = 32
     assert_all_free(engine)
@@ -366,11 +377,12 @@ def test_swap_cache_keeps_programs_and_refuses_other_shapes(engine):
     ps = prompts(3, seed=21)
     before = [o.token_ids for o in engine.generate(ps, GREEDY)]
     old = engine.runner.cache
+    rows = engine.config.num_state_rows
     with pytest.raises(ValueError, match="compiled for"):
-        engine.runner.swap_cache(FakeCache.allocate(NUM_BLOCKS + 1, BLOCK, SLOTS))
-    engine.runner.swap_cache(FakeCache.allocate(NUM_BLOCKS, BLOCK, SLOTS))
+        engine.swap_cache(FakeCache.allocate(NUM_BLOCKS + 1, BLOCK, rows))
+    engine.swap_cache(FakeCache.allocate(NUM_BLOCKS, BLOCK, rows))
     try:
         assert [o.token_ids for o in engine.generate(ps, GREEDY)] == before
         assert before == [reference_greedy(p, 24, VOCAB) for p in ps]
     finally:
-        engine.runner.swap_cache(old)
+        engine.swap_cache(old)

@@ -6,8 +6,10 @@ the engine relies on: the next token is a function of
   * all earlier tokens, read back through the block table from paged "KV"
     (so a wrong block id, a lost write or a stale block changes the output), and
   * a recurrent hash kept in the request's state slot, continued across chunks
-    from `start_pos > 0` and started from zero when `start_pos == 0` without
-    reading the slot (so a wrong slot or a missed state write changes it too).
+    from `start_pos > 0` (read from `init_slots`, a prefix snapshot on a hit) and
+    started from zero when `start_pos == 0` without reading the slot (so a wrong
+    slot or a missed state write changes it too), with snapshots of the hash
+    stored at `snapshot_ends` as the GDN layers store theirs.
 `reference_next` computes the same next token for a whole sequence in numpy.
 """
 
@@ -30,6 +32,9 @@ class FakeBatch:
     slots: jax.Array
     block_tables: jax.Array
     logits_indices: jax.Array
+    init_slots: jax.Array
+    snapshot_ends: jax.Array
+    snapshot_slots: jax.Array
     is_decode: bool = field(metadata=dict(static=True))
 
 
@@ -76,14 +81,19 @@ class FakeModel(nnx.Module):
         blk = batch.block_tables[seg, jnp.clip(pos // bs, 0, batch.block_tables.shape[1] - 1)]
         kv = cache.kv.at[jnp.where(valid, blk, nb), pos % bs].set(batch.tokens, mode="drop")
         num_slots = cache.ssm.shape[0]
-        h0 = jnp.where(batch.start_pos > 0, cache.ssm[jnp.minimum(batch.slots, num_slots - 1)], 0)
+        h0 = jnp.where(batch.start_pos > 0,
+                       cache.ssm[jnp.minimum(batch.init_slots, num_slots - 1)], 0)
 
         def body(h, i):
             s = seg[i]
-            return h.at[s].set(jnp.where(valid[i], (h[s] * 31 + batch.tokens[i]) % MOD, h[s])), None
+            h = h.at[s].set(jnp.where(valid[i], (h[s] * 31 + batch.tokens[i]) % MOD, h[s]))
+            return h, h[s]
 
-        h, _ = jax.lax.scan(body, h0, idx)
+        h, after = jax.lax.scan(body, h0, idx)  # after[i]: the hash after token i
         ssm = cache.ssm.at[batch.slots].set(h, mode="drop")
+        if batch.snapshot_ends.shape[0]:
+            snaps = after[jnp.maximum(batch.snapshot_ends - 1, 0)]
+            ssm = ssm.at[batch.snapshot_slots].set(snaps, mode="drop")
         length = batch.start_pos + cu[1:] - cu[:-1]
         p = jnp.arange(batch.block_tables.shape[1] * bs)
         toks = kv[batch.block_tables[:, p // bs], p % bs]  # [N, P]

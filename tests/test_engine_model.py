@@ -163,6 +163,56 @@ def test_500_random_requests_no_compile_all_memory_back(llm):
     eng.runner.check_addresses()  # the donated cache never moved
 
 
+@pytest.fixture(scope="module")
+def shared(model):
+    """Prompts sharing one of two system prefixes (17 and 30 tokens), and a repeat."""
+    rng = np.random.default_rng(5)
+    heads = [[int(x) for x in rng.integers(2, 512, n)] for n in (17, 30)]
+    ps = [heads[i % 2] + [int(x) for x in rng.integers(2, 512, rng.integers(1, 20))]
+          for i in range(10)]
+    ps.append(list(ps[1]))
+    return ps, [greedy_alone(model, p, MAX_TOKENS, REF_LEN) for p in ps]
+
+
+def test_prefix_caching_is_token_identical(model, shared):
+    """Caching on (snapshots at every block) in float32: the same greedy tokens as each
+    prompt alone, first in arrival waves (hits of whole shared blocks), then with odd
+    chunk boundaries, a pool small enough to preempt and aborts."""
+    ps, refs = shared
+    llm = LLM(model, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128,
+              block_size=8, num_blocks=NUM_BLOCKS, enable_prefix_caching=True,
+              prefix_state_interval=1, num_prefix_snapshots=64,
+              buckets=Buckets(prefill_tokens=(16, 64), prefill_seqs=(2, 8), decode_seqs=(4, 8)))
+    eng = llm.engine
+    try:
+        first = llm.generate(ps[:2], GREEDY)
+        outs = first + llm.generate(ps[2:], GREEDY)
+        assert [o.token_ids for o in outs] == refs
+        assert [o.num_cached_tokens for o in outs[2:4]] == [16, 24]
+        assert outs[-1].num_cached_tokens == 8 * ((len(ps[1]) - 1) // 8)
+        held = eng.blocks.allocate(NUM_BLOCKS - 14)
+        eng.scheduler.max_num_batched_tokens = 7
+        before = eng.scheduler.num_preemptions
+        ids = [eng.add_request(p, GREEDY) for p in ps]
+        done, step = {}, 0
+        while eng.has_unfinished():
+            if step == 5:
+                done[ids[3]] = eng.abort(ids[3])
+            done.update({o.request_id: o for o in eng.step() if o.finished})
+            step += 1
+        eng.fence.wait_all()
+        eng.blocks.free(held)
+        assert eng.scheduler.num_preemptions > before
+        for rid, ref in zip(ids, refs):
+            n = len(done[rid].token_ids)
+            assert done[rid].token_ids == ref[:n] and (n == MAX_TOKENS or rid == ids[3])
+        m = eng.metrics()
+        assert m["prefix_cache_hits"] > 0.3 * m["prefix_cache_queries"]
+        assert m["serving_compiles"] == 0 and eng.blocks.num_free == NUM_BLOCKS
+    finally:
+        eng.close()
+
+
 def test_moe_preset_batched_equals_alone():
     """The MoE preset through the same engine (a smaller set)."""
     model = init_random("tiny-moe")

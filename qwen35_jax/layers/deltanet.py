@@ -5,7 +5,9 @@ SiLU over ``[q | k | v]``; value head ``h`` reads key head ``h // (Hv/Hk)``;
 L2-normalised q/k; ``beta = sigmoid(b)``; ``g = -exp(A_log)·softplus(a + dt_bias)``
 in float32; gated RMSNorm on the output.  The delta rule and the conv run
 through ``pallas_kernels`` (chunked for prompts, recurrent for single tokens),
-reading and writing each sequence's state in the slot pool.
+reading and writing each sequence's state in the slot pool.  A prefill step
+with snapshot ends (prefix caching, see ``batch.py``) also scatters the states
+the kernels emit there into their rows.
 
 On a mesh the kernels run per device (``sharding.per_device``): the delta rule on
 the device's value heads (``tensor``, as the recurrent state pool is split), with
@@ -59,10 +61,13 @@ class GatedDeltaNet(nnx.Module):
             conv_pool = conv_flat.reshape(conv_pool.shape)
         else:
             init = _gather_state(conv_pool, meta, layer)
-            prefill = per_device(lambda x, w, cu, init: causal_conv1d_prefill(
-                x, w, cu_seqlens=cu, initial_state=init, activation="silu"), whole, (P(), P()))
-            mixed, final = prefill(mixed, w, meta.cu_seqlens, init)
-            conv_pool = conv_pool.at[meta.slots, layer].set(final.astype(conv_pool.dtype), mode="drop")
+            ends = () if meta.snapshot_ends is None else (meta.snapshot_ends,)
+            prefill = per_device(lambda x, w, cu, init, *ends: causal_conv1d_prefill(
+                x, w, cu_seqlens=cu, initial_state=init, activation="silu",
+                snapshot_ends=ends[0] if ends else None),
+                whole + (P(),) * len(ends), (P(),) * (2 + len(ends)))
+            mixed, final, *snaps = prefill(mixed, w, meta.cu_seqlens, init, *ends)
+            conv_pool = _store(conv_pool, layer, meta, final, snaps)
         qk = self.hk * self.dk
         q = mixed[:, :qk].reshape(t, self.hk, self.dk)
         k = mixed[:, qk:2 * qk].reshape(t, self.hk, self.dk)
@@ -86,24 +91,37 @@ class GatedDeltaNet(nnx.Module):
             ssm_pool = ssm_flat.reshape(ssm_pool.shape)
         else:
             init = _gather_state(ssm_pool, meta, layer).astype(jnp.float32)
-            prefill = per_device(_gdn_prefill, specs, (heads, state))
-            o, final = prefill(q, k, v, g, beta, init, meta.cu_seqlens)
-            ssm_pool = ssm_pool.at[meta.slots, layer].set(final.astype(ssm_pool.dtype), mode="drop")
+            ends = () if meta.snapshot_ends is None else (meta.snapshot_ends,)
+            prefill = per_device(_gdn_prefill, specs + (P(),) * len(ends),
+                                 (heads, state) + (state,) * len(ends))
+            o, final, *snaps = prefill(q, k, v, g, beta, init, meta.cu_seqlens, *ends)
+            ssm_pool = _store(ssm_pool, layer, meta, final, snaps)
         o = self.norm(o, z).reshape(t, self.hv * self.dv)
         return self.out_proj(o, layer), conv_pool, ssm_pool
 
 
-def _gdn_prefill(q, k, v, g, beta, init, cu_seqlens):
-    """``gdn_prefill`` on one packed row: q, k, v [T, H, d]; g, beta [T, Hv]."""
-    o, final = gdn_prefill(q[None], k[None], v[None], g[None], beta[None], initial_state=init,
-                           cu_seqlens=cu_seqlens, use_qk_l2norm=True)
-    return o[0], final
+def _gdn_prefill(q, k, v, g, beta, init, cu_seqlens, *ends):
+    """``gdn_prefill`` on one packed row: q, k, v [T, H, d]; g, beta [T, Hv]; returns
+    (o, final) and the snapshots at ``ends[0]`` when given."""
+    o, *states = gdn_prefill(q[None], k[None], v[None], g[None], beta[None],
+                             initial_state=init, cu_seqlens=cu_seqlens, use_qk_l2norm=True,
+                             snapshot_ends=ends[0] if ends else None)
+    return (o[0], *states)
+
+
+def _store(pool, layer, meta, final, snaps):
+    """Write each sequence's final state to its slot and the snapshots to their rows."""
+    pool = pool.at[meta.slots, layer].set(final.astype(pool.dtype), mode="drop")
+    if snaps:
+        pool = pool.at[meta.snapshot_slots, layer].set(snaps[0].astype(pool.dtype), mode="drop")
+    return pool
 
 
 def _gather_state(pool, meta, layer):
-    """Initial state of each sequence: its slot's state if it has cached tokens, else zeros
-    (slots are never zeroed in memory: a fresh sequence simply does not read them)."""
-    state = pool.at[meta.slots, layer].get(mode="fill", fill_value=0)
+    """Initial state of each sequence: its init_slots row's state if it has cached tokens,
+    else zeros (slots are never zeroed in memory: a fresh sequence simply does not read
+    them)."""
+    state = pool.at[meta.init_slots, layer].get(mode="fill", fill_value=0)
     keep = meta.has_state.reshape((-1,) + (1,) * (state.ndim - 1))
     return jnp.where(keep, state, jnp.zeros_like(state))
 

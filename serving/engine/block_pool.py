@@ -14,11 +14,22 @@ each on H200: a 32768-token request in shuffled blocks took 14 ms against 2.9 ms
 consecutive ones, bench/RESULTS.md), so a request that arrives by transfer should find
 a run even after churn.
 
+With prefix caching a block may be *cached*: its content is named by a key (the
+prefix cache's hash of its tokens). A cached block whose count reaches zero is
+not free but *evictable*: it keeps its content, a later request can take it back
+(`touch`), and `allocate` evicts the least recently released ones only once the
+free runs are used up (`on_evict` is told, so the key stops naming the block).
+`num_free` counts both, since either can be handed out.
+
 The pool knows nothing about steps; returning a block at the right time (after
-every step that may still write it has completed) is the job of `StepFence`.
+every step that may still write it has completed) is the job of `StepFence`. An
+evictable block got to zero through the fence like any other, so no step still
+writes it; a step that reads it holds a count.
 """
 
 import bisect
+from collections import OrderedDict
+from typing import Callable
 
 
 class BlockPool:
@@ -28,11 +39,14 @@ class BlockPool:
     block: the decode loop allocates one block per sequence every `block_size` tokens,
     and a scan of 65,536 blocks took ~0.1 ms a call (bench/RESULTS.md)."""
 
-    def __init__(self, num_blocks: int):
+    def __init__(self, num_blocks: int, on_evict: Callable[[int], None] | None = None):
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
         self._ref = [0] * num_blocks
+        self.on_evict = on_evict  # told of each cached block allocate reuses
+        self._cached: set[int] = set()  # blocks whose content a key names
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, count 0, LRU first
         self._num_free = 0
         self._run_at: dict[int, int] = {}      # free run start -> length
         self._run_ending: dict[int, int] = {}  # free run end (exclusive) -> start
@@ -42,16 +56,22 @@ class BlockPool:
 
     @property
     def num_free(self) -> int:
-        return self._num_free
+        """Blocks `allocate` can hand out: the free runs and the evictable blocks."""
+        return self._num_free + len(self._evictable)
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self._evictable)
 
     def allocate(self, n: int) -> list[int]:
-        """Take `n` free blocks (ref count 1 each) in as few runs as the free blocks
-        allow (see the module docstring); all or nothing."""
-        if n > self._num_free:
-            raise MemoryError(f"need {n} blocks, {self._num_free} free")
+        """Take `n` blocks (ref count 1 each): free runs first, in as few runs as they
+        allow (see the module docstring), then the least recently released evictable
+        blocks; all or nothing."""
+        if n > self.num_free:
+            raise MemoryError(f"need {n} blocks, {self.num_free} free")
         ids: list[int] = []
         i = bisect.bisect_left(self._lengths, n)
-        while len(ids) < n:
+        while len(ids) < n and self._lengths:
             # the shortest run that holds n; else the longest runs first; the lowest of
             # equal ones
             length = self._lengths[i] if i < len(self._lengths) else self._lengths[-1]
@@ -61,9 +81,41 @@ class BlockPool:
             if take < length:
                 self._add_run(start + take, length - take)
             ids += range(start, start + take)
+        while len(ids) < n:
+            b, _ = self._evictable.popitem(last=False)
+            self._cached.discard(b)
+            if self.on_evict is not None:
+                self.on_evict(b)
+            ids.append(b)
         for b in ids:
             self._ref[b] = 1
         return ids
+
+    def mark_cached(self, i: int) -> None:
+        """A key names held block `i`'s content: keep it when its count reaches zero."""
+        if self._ref[i] <= 0:
+            raise ValueError(f"mark_cached of free block {i}")
+        self._cached.add(i)
+
+    def is_cached(self, i: int) -> bool:
+        return i in self._cached
+
+    def uncache_all(self) -> None:
+        """Forget every block's key (its content is gone): evictable blocks become free."""
+        evictable = sorted(self._evictable)
+        self._evictable.clear()
+        self._cached.clear()
+        for b in evictable:
+            self._join(b, b + 1)
+
+    def touch(self, ids: list[int]) -> None:
+        """Add an owner to cached blocks, held or evictable (a prefix-cache hit)."""
+        for i in ids:
+            if i not in self._cached:
+                raise ValueError(f"touch of block {i}, which is not cached")
+        for i in ids:
+            self._evictable.pop(i, None)
+            self._ref[i] += 1
 
     def incref(self, ids: list[int]) -> None:
         """Add an owner to blocks that are already held; all or nothing."""
@@ -74,15 +126,23 @@ class BlockPool:
             self._ref[i] += 1
 
     def free(self, ids: list[int]) -> None:
-        """Drop one owner; a block whose count reaches zero becomes allocatable. All or
-        nothing: a block freed more often than it is held raises before any changes."""
+        """Drop one owner; a block whose count reaches zero becomes allocatable: evictable
+        if cached (the last of `ids` first in line for eviction, since a later block of
+        a prefix is useless without the earlier ones), else free. All or nothing: a
+        block freed more often than it is held raises before any changes."""
         for n, i in enumerate(ids):
             if self._ref[i] <= 0:
                 for j in ids[:n]:  # undo, so nothing changed
                     self._ref[j] += 1
                 raise ValueError(f"double free of block {i}")
             self._ref[i] -= 1
-        released = {i for i in ids if self._ref[i] == 0}
+        released = set()
+        for i in reversed(ids):
+            if self._ref[i] == 0:
+                if i in self._cached:
+                    self._evictable[i] = None
+                else:
+                    released.add(i)
         start = prev = -2  # each stretch of consecutive blocks joins its neighbours
         for b in sorted(released):
             if b != prev + 1:
@@ -95,7 +155,8 @@ class BlockPool:
 
     def free_ids(self) -> set[int]:
         """The allocatable blocks (for checks that no step's blocks were handed out)."""
-        return {b for start, length in self._run_at.items() for b in range(start, start + length)}
+        free = {b for start, length in self._run_at.items() for b in range(start, start + length)}
+        return free | set(self._evictable)
 
     def ref_count(self, i: int) -> int:
         return self._ref[i]

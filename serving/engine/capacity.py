@@ -2,7 +2,8 @@
 
 KV grows with every token; GDN state is a fixed record per request. So the
 split is: `num_slots` state slots (one per sequence that may run, default
-`max_num_seqs`), and every remaining byte of the budget for KV blocks, capped
+`max_num_seqs`) and the prefix cache's snapshot rows (`num_prefix_snapshots`), and
+every remaining byte of the budget for KV blocks, capped
 at what `max_num_seqs` sequences of `max_model_len` tokens could ever use. The
 budget is `memory_utilization` of the device's memory limit minus what is in
 use after the weights are loaded; the rest is left for activations of the
@@ -55,7 +56,9 @@ def plan_capacity(model_cfg, config: EngineConfig, dtype, memory_stats: dict | N
     s = HybridCache.shapes(model_cfg, 1, 1, 1)
     slot_bytes = (math.prod(s["conv"]) * jnp.dtype(dtype).itemsize // split.conv
                   + math.prod(s["ssm"]) * ssm_dtype.itemsize // split.ssm)
-    report = {"block_bytes": block_bytes, "slot_bytes": slot_bytes, "num_slots": config.num_slots}
+    rows = config.num_state_rows
+    report = {"block_bytes": block_bytes, "slot_bytes": slot_bytes, "num_slots": config.num_slots,
+              "num_prefix_snapshots": config.num_prefix_snapshots}
     if config.num_blocks is None:
         budget = budget_bytes
         if budget is None:
@@ -66,17 +69,18 @@ def plan_capacity(model_cfg, config: EngineConfig, dtype, memory_stats: dict | N
             report.update(device_limit_bytes=stats["bytes_limit"],
                           in_use_bytes=stats["bytes_in_use"])
         useful = config.max_num_seqs * config.max_blocks_per_seq
-        config.num_blocks = min(useful, (budget - config.num_slots * slot_bytes) // block_bytes)
+        config.num_blocks = min(useful, (budget - rows * slot_bytes) // block_bytes)
         if config.num_blocks < config.max_blocks_per_seq:
             raise ValueError(f"{budget / 2**30:.1f} GiB free leaves {config.num_blocks} KV blocks, "
                              f"fewer than one sequence of max_model_len needs")
         report.update(budget_bytes=budget)
     report.update(num_blocks=config.num_blocks, kv_bytes=config.num_blocks * block_bytes,
-                  state_bytes=config.num_slots * slot_bytes,
+                  state_bytes=rows * slot_bytes,
                   kv_tokens=config.num_blocks * config.block_size)
-    log.info("cache: %d KV blocks (%.2f GiB, %d tokens) + %d state slots (%.2f GiB)",
-             config.num_blocks, report["kv_bytes"] / 2**30, report["kv_tokens"],
-             config.num_slots, report["state_bytes"] / 2**30)
+    log.info("cache: %d KV blocks (%.2f GiB, %d tokens) + %d state slots and %d prefix "
+             "snapshots (%.2f GiB)", config.num_blocks, report["kv_bytes"] / 2**30,
+             report["kv_tokens"], config.num_slots, config.num_prefix_snapshots,
+             report["state_bytes"] / 2**30)
     return report
 
 
@@ -97,7 +101,7 @@ def allocate_cache(model_cfg, config: EngineConfig, dtype, mesh=None):
     from qwen35_jax.sharding import cache_shardings
 
     make = partial(HybridCache.allocate, model_cfg, num_blocks=config.num_blocks,
-                   block_size=config.block_size, num_slots=config.num_slots,
+                   block_size=config.block_size, num_slots=config.num_state_rows,
                    dtype=cache_dtype(dtype), ssm_dtype=jnp.dtype(config.ssm_dtype))
     if mesh is None:
         return make()

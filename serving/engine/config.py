@@ -28,10 +28,22 @@ class EngineConfig:
     # docs/multihost.md.
     ep: int = 1
     tp: int = 1
+    # Prefix caching (prefix_cache.py): GDN state snapshots every `prefix_state_interval`
+    # blocks and at the prompt's end, in `num_prefix_snapshots` state rows (default:
+    # max_num_seqs) after the request slots.
+    enable_prefix_caching: bool = False
+    prefix_state_interval: int = 32
+    num_prefix_snapshots: int | None = None
 
     def __post_init__(self):
         if self.num_slots is None:
             self.num_slots = self.max_num_seqs
+        if self.num_prefix_snapshots is None:
+            self.num_prefix_snapshots = self.max_num_seqs if self.enable_prefix_caching else 0
+        if self.enable_prefix_caching and (self.num_prefix_snapshots < 1
+                                           or self.prefix_state_interval < 1):
+            raise ValueError("prefix caching needs num_prefix_snapshots >= 1 and "
+                             "prefix_state_interval >= 1")
         if self.buckets is None:
             self.buckets = Buckets.default(self.max_num_seqs, self.max_num_batched_tokens)
         if self.num_slots < 1 or self.max_num_seqs < 1:
@@ -49,3 +61,16 @@ class EngineConfig:
     @property
     def max_blocks_per_seq(self) -> int:
         return -(-self.max_model_len // self.block_size)
+
+    @property
+    def num_state_rows(self) -> int:
+        """Rows of the cache's conv and ssm arrays: request slots, then snapshot rows."""
+        return self.num_slots + self.num_prefix_snapshots
+
+    def snapshots_per_step(self, num_tokens: int, num_seqs: int) -> int:
+        """GDN snapshots a prefill bucket emits at most: one per interval of its tokens
+        plus the last two boundaries of a few sequences (more only lose hits). Each is a
+        float32 state of every value head, per layer, in the step's working memory."""
+        if not self.enable_prefix_caching:
+            return 0
+        return num_tokens // (self.prefix_state_interval * self.block_size) + 2 * min(num_seqs, 4)

@@ -29,6 +29,7 @@ import logging
 import time
 from collections import deque
 
+import jax
 import numpy as np
 
 from serving.engine.block_pool import BlockPool
@@ -37,6 +38,7 @@ from serving.engine.config import EngineConfig
 from serving.engine.fence import StepFence
 from serving.engine.idle_timer import IdleTimer
 from serving.engine.outputs import RequestOutput
+from serving.engine.prefix_cache import PrefixCache, SnapshotRows, model_identity
 from serving.engine.request import Request
 from serving.engine.runner import Runner
 from serving.engine.sampling_params import SamplingParams
@@ -50,7 +52,7 @@ log = logging.getLogger(__name__)
 class Engine:
     def __init__(self, model, cache, config: EngineConfig, *, tokenizer=None, batch_type=None):
         """`cache` must be allocated for `config.num_blocks` blocks of
-        `config.block_size` positions and `config.num_slots` slots (see
+        `config.block_size` positions and `config.num_state_rows` state rows (see
         capacity.py). `batch_type` is the model's Batch class, by default
         qwen35_jax's; tests pass a stand-in model with its own."""
         if batch_type is None:
@@ -68,14 +70,25 @@ class Engine:
         self.blocks = BlockPool(c.num_blocks)
         self.slots = SlotPool(c.num_slots)
         self.fence = StepFence()
+        self.prefix = None
+        if c.enable_prefix_caching:
+            dtype = jax.tree.leaves(cache)[0].dtype
+            self.prefix = PrefixCache(
+                self.blocks, block_size=c.block_size, interval=c.prefix_state_interval,
+                rows=SnapshotRows(c.num_slots, c.num_prefix_snapshots),
+                per_step=lambda t, n: c.snapshots_per_step(*c.buckets.pick(False, t, n)),
+                identity=model_identity(repr(model.config), str(dtype)))
+            self.blocks.on_evict = self.prefix.on_evict
         self.scheduler = Scheduler(
             max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
             max_model_len=c.max_model_len, block_size=c.block_size,
-            blocks=self.blocks, slots=self.slots, fence=self.fence)
+            blocks=self.blocks, slots=self.slots, fence=self.fence, prefix=self.prefix)
         self.compiles = CompileCounter()
         self.runner = Runner(model, cache, num_slots=c.num_slots,
                              max_blocks_per_seq=c.max_blocks_per_seq, buckets=c.buckets,
-                             num_top_logprobs=c.max_logprobs, batch_type=batch_type)
+                             num_top_logprobs=c.max_logprobs, batch_type=batch_type,
+                             num_state_rows=c.num_state_rows,
+                             snapshots_per_step=c.snapshots_per_step)
         with self.compiles.phase("warmup"):
             self.warmup_seconds = self.runner.warmup()
         log.info("engine ready: %d programs compiled in %.1f s, %d blocks x %d tokens, %d slots",
@@ -169,6 +182,16 @@ class Engine:
         req = self.requests.pop(request_id)
         self.scheduler.release(req)
 
+    def swap_cache(self, cache) -> None:
+        """Run the same compiled programs on another cache of the same shapes and dtypes
+        (`Runner.swap_cache`), with no request in flight; cached prefixes are forgotten,
+        their content being in the old cache."""
+        if self.has_unfinished():
+            raise RuntimeError("swap_cache with requests in flight")
+        if self.prefix is not None:
+            self.prefix.clear()
+        self.runner.swap_cache(cache)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self._inflight)
 
@@ -231,7 +254,11 @@ class Engine:
                  kv_bytes_in_use=(self.blocks.num_blocks - self.blocks.num_free)
                  * self._block_bytes,
                  state_bytes_in_use=(self.slots.num_slots - self.slots.num_free)
-                 * self._slot_bytes)
+                 * self._slot_bytes,
+                 prefix_cache_queries=self.prefix.queries if self.prefix else 0,
+                 prefix_cache_hits=self.prefix.hits if self.prefix else 0,
+                 cached_blocks=self.blocks.num_evictable,
+                 prefix_snapshots=len(self.prefix.rows) if self.prefix else 0)
         if self.idle_timer:
             m.update(self.idle_timer.counters())
         return m
@@ -343,6 +370,6 @@ class Engine:
             finish_reason=req.finish_reason, stop_reason=req.stop_reason,
             text=req.output_text if req.is_finished and self.tokenizer is not None else None,
             logprobs=req.logprobs if req.params.logprobs is not None else None,
-            num_preemptions=req.num_preemptions,
+            num_preemptions=req.num_preemptions, num_cached_tokens=req.num_cached_tokens or 0,
             metrics={"arrival": req.arrival_time, "first_token": req.first_token_time,
                      "finish": req.finish_time})

@@ -53,10 +53,13 @@ class StepInputs:
     from_slot: np.ndarray  # i32 [T]: read the token from last_token[slot] when >= 0
     cu_seqlens: np.ndarray  # i32 [N+1]
     start_pos: np.ndarray  # i32 [N]
-    slots: np.ndarray  # i32 [N]; num_slots = padding
+    slots: np.ndarray  # i32 [N]; num_state_rows = padding
+    init_slots: np.ndarray  # i32 [N]: row of the initial GDN state (a snapshot on a hit)
     block_tables: np.ndarray  # i32 [N, M]
     logits_indices: np.ndarray  # i32 [N]
     sample_slot: np.ndarray  # i32 [N]: where to store the sampled token; num_slots = nowhere
+    snapshot_ends: np.ndarray  # i32 [S]: packed token ends of GDN snapshots (prefill only)
+    snapshot_slots: np.ndarray  # i32 [S]: their rows; num_state_rows = none
     sampling: SamplingArrays
 
 
@@ -65,7 +68,9 @@ def _forward(graphdef, treedef, batch_type, leaves, cache, last_token, x: StepIn
     tokens = jnp.where(x.from_slot >= 0, last_token[jnp.maximum(x.from_slot, 0)], x.tokens)
     batch = batch_type(tokens=tokens, cu_seqlens=x.cu_seqlens, start_pos=x.start_pos,
                        slots=x.slots, block_tables=x.block_tables,
-                       logits_indices=x.logits_indices, is_decode=is_decode)
+                       logits_indices=x.logits_indices, init_slots=x.init_slots,
+                       snapshot_ends=x.snapshot_ends, snapshot_slots=x.snapshot_slots,
+                       is_decode=is_decode)
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
     logits, cache = model.forward(batch, cache)
     return cache, logits
@@ -78,7 +83,11 @@ def _sample(num_top, logits, last_token, sampling: SamplingArrays, sample_slot, 
 
 class Runner:
     def __init__(self, model: nnx.Module, cache, *, num_slots: int, max_blocks_per_seq: int,
-                 buckets: Buckets, num_top_logprobs: int, batch_type):
+                 buckets: Buckets, num_top_logprobs: int, batch_type, num_state_rows=None,
+                 snapshots_per_step=lambda t, n: 0):
+        """`num_state_rows`: rows of the cache's state arrays (default `num_slots`; more
+        hold prefix-cache snapshots); `snapshots_per_step(T, N)`: GDN snapshots a
+        prefill bucket emits."""
         graphdef, state = nnx.split(model)
         self._leaves, treedef = jax.tree.flatten(state)
         self.cache = cache
@@ -92,6 +101,8 @@ class Runner:
             smp_s = dict(in_shardings=(rep, rep, rep, rep), out_shardings=(rep, rep))
         self.last_token = jnp.zeros((num_slots,), jnp.int32, device=rep)
         self.num_slots = num_slots
+        self.num_state_rows = num_slots if num_state_rows is None else num_state_rows
+        self.snapshots_per_step = snapshots_per_step
         self.max_blocks_per_seq = max_blocks_per_seq
         self.buckets = buckets
         self._fn = jax.jit(partial(_forward, graphdef, treedef, batch_type),
@@ -124,7 +135,7 @@ class Runner:
         logits = {}  # N -> the logits of one padding step with N rows
         for is_decode, t, n in shapes:
             self.cache, logits[n] = self._programs[is_decode, t, n](
-                self._leaves, self.cache, self.last_token, self._empty(t, n))
+                self._leaves, self.cache, self.last_token, self._empty(t, n, is_decode))
         for n, mode in samplers:
             out = self._run_sampler(self._empty(1, n), mode, logits[n])
         jax.block_until_ready(out)
@@ -133,8 +144,8 @@ class Runner:
 
     def _lower(self, is_decode: bool, t: int, n: int):
         with jax.set_mesh(self.mesh) if self.mesh is not None else nullcontext():
-            return self._fn.lower(self._leaves, self.cache, self.last_token, self._empty(t, n),
-                                  is_decode)
+            return self._fn.lower(self._leaves, self.cache, self.last_token,
+                                  self._empty(t, n, is_decode), is_decode)
 
     def _lower_sampler(self, mode, logits: jax.ShapeDtypeStruct):
         x = self._empty(1, logits.shape[0])
@@ -164,19 +175,23 @@ class Runner:
 
     # ---- one step -------------------------------------------------------
 
-    def _empty(self, t: int, n: int) -> StepInputs:
+    def _empty(self, t: int, n: int, is_decode: bool = True) -> StepInputs:
+        s = 0 if is_decode else self.snapshots_per_step(t, n)
         return StepInputs(
             tokens=np.zeros(t, np.int32), from_slot=np.full(t, -1, np.int32),
             cu_seqlens=np.zeros(n + 1, np.int32), start_pos=np.zeros(n, np.int32),
-            slots=np.full(n, self.num_slots, np.int32),
+            slots=np.full(n, self.num_state_rows, np.int32),
+            init_slots=np.full(n, self.num_state_rows, np.int32),
             block_tables=np.zeros((n, self.max_blocks_per_seq), np.int32),
             logits_indices=np.zeros(n, np.int32), sample_slot=np.full(n, self.num_slots, np.int32),
+            snapshot_ends=np.zeros(s, np.int32),
+            snapshot_slots=np.full(s, self.num_state_rows, np.int32),
             sampling=SamplingArrays.host(n))
 
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
         t, n = self.buckets.pick(sched.is_decode, sched.num_tokens, len(sched.seqs))
-        x = self._empty(t, n)
-        pos = 0
+        x = self._empty(t, n, sched.is_decode)
+        pos = snap = 0
         for i, s in enumerate(sched.seqs):
             req = s.request
             stop = min(s.start + s.num_tokens, req.num_known_tokens)
@@ -187,6 +202,11 @@ class Runner:
             x.cu_seqlens[i + 1] = pos
             x.start_pos[i] = s.start
             x.slots[i] = req.slot
+            x.init_slots[i] = req.slot if s.restore is None else s.restore
+            for position, row in s.snapshots:
+                x.snapshot_ends[snap] = pos - s.num_tokens + position - s.start
+                x.snapshot_slots[snap] = row
+                snap += 1
             x.block_tables[i, :len(req.block_ids)] = req.block_ids
             x.logits_indices[i] = pos - 1
             if s.sample:

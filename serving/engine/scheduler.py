@@ -14,16 +14,23 @@ the tokens it has already generated. Before preempting, the scheduler waits
 for memory that is only held back by the fence, so fenced releases never cause
 preemption thrashing (cf. vLLM PR #49675).
 
+With a prefix cache (prefix_cache.py), a request being admitted starts after its
+longest cached prefix: it shares those blocks and restores its GDN state from a
+snapshot row. Each step registers the full blocks it writes and takes the
+snapshots its prefill chunks pass, as many as the step's bucket holds.
+
 A step is a decode step (`is_decode`) when every scheduled request feeds
-exactly one token that continues existing context; otherwise it runs through
-the prefill program, which also carries single-token decodes (mixed batch).
+exactly one token that continues existing context in its own slot; otherwise it
+runs through the prefill program, which also carries single-token decodes (mixed
+batch).
 """
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from serving.engine.block_pool import BlockPool
 from serving.engine.fence import StepFence
+from serving.engine.prefix_cache import PrefixCache
 from serving.engine.request import Request, Status
 from serving.engine.state_pool import SlotPool
 
@@ -35,6 +42,8 @@ class ScheduledSeq:
     num_tokens: int  # tokens fed this step
     sample: bool  # the chunk reaches the end of the known tokens: its logits are used
     epoch: int
+    restore: int | None = None  # snapshot row of the initial GDN state (a prefix hit)
+    snapshots: list[tuple[int, int]] = field(default_factory=list)  # (position, row)
 
 
 @dataclass
@@ -49,7 +58,8 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 block_size: int, blocks: BlockPool, slots: SlotPool, fence: StepFence):
+                 block_size: int, blocks: BlockPool, slots: SlotPool, fence: StepFence,
+                 prefix: PrefixCache | None = None):
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -57,6 +67,7 @@ class Scheduler:
         self.blocks = blocks
         self.slots = slots
         self.fence = fence
+        self.prefix = prefix
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order
         self.transferring: dict[str, Request] = {}
@@ -203,17 +214,62 @@ class Scheduler:
                and len(self.running) + len(self.transferring) < self.max_num_seqs
                and self.slots.num_free > 0):
             req = self.waiting[0]
+            restore = self._restore_prefix(req)
             n = min(self._remaining(req), budget)
-            if not self._grow(req, n, may_wait=False):
+            if not self._grow(req, req.num_computed_tokens + n, may_wait=False):
+                self._unshare(req)
                 break
             self.waiting.popleft()
+            if self.prefix is not None:
+                self.prefix.count(req.num_tokens, req.num_computed_tokens)
+            if req.num_cached_tokens is None:
+                req.num_cached_tokens = req.num_computed_tokens
             req.slot = self.slots.allocate()
             req.status = Status.RUNNING
             self.running.append(req)
-            seqs.append(self._take(req, n))
+            seqs.append(self._take(req, n, restore))
             budget -= n
-        is_decode = bool(seqs) and all(s.num_tokens == 1 and s.start > 0 for s in seqs)
-        return SchedulerOutput(seqs, is_decode)
+        is_decode = bool(seqs) and all(s.num_tokens == 1 and s.start > 0 and s.restore is None
+                                       for s in seqs)
+        out = SchedulerOutput(seqs, is_decode)
+        if self.prefix is not None:
+            self._register(out)
+        return out
+
+    # ---- prefix caching -------------------------------------------------
+
+    def _restore_prefix(self, req: Request) -> int | None:
+        """Start a request being admitted after its longest cached prefix: it holds the
+        shared blocks and computes from there; returns the snapshot row to restore."""
+        if self.prefix is None:
+            return None
+        blocks, row = self.prefix.match(req)
+        req.block_ids = blocks
+        req.num_registered_blocks = len(blocks)
+        req.num_computed_tokens = len(blocks) * self.block_size
+        return row
+
+    def _unshare(self, req: Request) -> None:
+        """Undo `_restore_prefix` for a request that stays waiting (no step read them)."""
+        if req.block_ids:
+            self.blocks.free(req.block_ids)
+        req.block_ids, req.num_computed_tokens, req.num_registered_blocks = [], 0, 0
+
+    def _register(self, out: SchedulerOutput) -> None:
+        """Register the blocks the step fills and pick the snapshots its prefill chunks
+        take (as many as its bucket holds: each request's last boundaries first, then
+        the rest, request by request)."""
+        p = self.prefix
+        for s in out.seqs:
+            p.stage_blocks(s.request, s.start + s.num_tokens)
+        if not out.is_decode:
+            points = [(rank, i, pos) for i, s in enumerate(out.seqs)
+                      for rank, pos in enumerate(p.snapshot_points(s.request, s.start,
+                                                                   s.num_tokens))]
+            for _, i, pos in sorted(points)[:p.per_step(out.num_tokens, len(out.seqs))]:
+                s = out.seqs[i]
+                s.snapshots.append((pos, p.snapshot_row(s.request, pos)))
+        p.commit()
 
     def _remaining(self, req: Request) -> int:
         """Tokens `req` can be fed now: zero once its last sample is in flight."""
@@ -221,13 +277,13 @@ class Scheduler:
             return 0
         return req.num_tokens - req.num_computed_tokens
 
-    def _take(self, req: Request, n: int) -> ScheduledSeq:
+    def _take(self, req: Request, n: int, restore: int | None = None) -> ScheduledSeq:
         start = req.num_computed_tokens
         req.num_computed_tokens += n
         sample = req.num_computed_tokens == req.num_tokens
         if sample:
             req.num_pending += 1
-        return ScheduledSeq(req, start, n, sample, req.epoch)
+        return ScheduledSeq(req, start, n, sample, req.epoch, restore)
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

@@ -59,7 +59,8 @@ class WorkerBase:
                                       budget_bytes=None if None in free else min(free))
         cache, regions, self.layout = allocate_registered_cache(
             cfg, num_blocks=config.num_blocks, block_size=config.block_size,
-            num_slots=config.num_slots, dtype=cache_dtype(dtype), ssm_dtype=jnp.dtype(config.ssm_dtype),
+            num_slots=config.num_state_rows, dtype=cache_dtype(dtype),
+            ssm_dtype=jnp.dtype(config.ssm_dtype),
             mesh=mesh)
         self.compat = compat_record(cfg, cache, model_name)
         self.regions = {r.name: r for r in regions}

@@ -1,0 +1,179 @@
+"""Prefix caching (serving/engine/prefix_cache.py) on the fake model, whose next token
+depends on every earlier token through both the paged "KV" and the recurrent state:
+a wrong shared block, a stale snapshot or a snapshot of the wrong position changes
+the output. Outputs must equal the sequence computed alone; hits must happen where
+the design says; every block and snapshot must come back."""
+
+import numpy as np
+import pytest
+
+from test_engine_fake import (BLOCK, NUM_BLOCKS, SLOTS, VOCAB, assert_all_free, make_engine,
+                              reset_and_check)
+from test_engine_fake_model import reference_greedy
+from serving.engine import SamplingParams
+from serving.engine.block_pool import BlockPool
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    eng = make_engine(True, prefix_state_interval=1, num_prefix_snapshots=24)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(autouse=True)
+def restore(engine):
+    yield
+    reset_and_check(engine)
+    check_consistent(engine)
+
+
+def check_consistent(engine):
+    """Every key names a cached block and back; no held block is evictable."""
+    p, pool = engine.prefix, engine.blocks
+    assert {b: k for k, b in p._block.items()} == p._key
+    assert all(pool.is_cached(b) for b in p._key)
+    assert all(pool.ref_count(b) == 0 and pool.is_cached(b) for b in pool._evictable)
+    assert len(p.rows) <= engine.config.num_prefix_snapshots
+
+
+def run(engine, prompts, params=GREEDY):
+    outs = engine.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [reference_greedy(p, params.max_tokens, VOCAB)
+                                           for p in prompts]
+    return outs
+
+
+def tokens(n, seed):
+    return [int(t) for t in np.random.default_rng(seed).integers(1, VOCAB, n)]
+
+
+def test_block_pool_keeps_cached_blocks_until_it_needs_them():
+    evicted = []
+    pool = BlockPool(6, on_evict=evicted.append)
+    a = pool.allocate(4)
+    for b in a[:3]:
+        pool.mark_cached(b)
+    pool.free(a)  # a[3] is free; a[0..2] keep their content, the last first in line
+    assert pool.num_free == 6 and pool.num_evictable == 3
+    pool.touch([a[0]])  # a hit revives a block
+    assert pool.ref_count(a[0]) == 1 and pool.num_evictable == 2
+    assert sorted(pool.allocate(3)) == [a[3], 4, 5] and not evicted  # free blocks first
+    assert pool.allocate(1) == [a[2]] and evicted == [a[2]]  # then the prefix's tail
+    assert not pool.is_cached(a[2])
+    with pytest.raises(ValueError, match="not cached"):
+        pool.touch([a[3]])
+    with pytest.raises(MemoryError):
+        pool.allocate(2)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+@pytest.mark.parametrize("budget", [32, 7])
+def test_hits_of_none_a_partial_block_and_many_blocks(engine, async_scheduling, budget):
+    """A 30-token prompt (7 full blocks of 4 and 2 tokens), then prompts sharing none of
+    it, 6 tokens (one block and a partial one), all of it and more, and all of it: each
+    starts after the longest cached block boundary that leaves a token to compute, with
+    budget 7 at chunk boundaries inside blocks too."""
+    engine.config.async_scheduling = async_scheduling
+    engine.scheduler.max_num_batched_tokens = budget
+    seed = 2 * budget + async_scheduling
+    a = tokens(30, seed=seed)
+    assert run(engine, [a])[0].num_cached_tokens == 0
+    cases = [(tokens(12, seed=seed + 100), 0), (a[:6] + tokens(9, seed=5), 4),
+             (a + tokens(5, seed=6), 28), (a, 28), (a[:29], 28), (a[:28], 24)]
+    outs = [run(engine, [p])[0] for p, _ in cases]
+    assert [o.num_cached_tokens for o in outs] == [want for _, want in cases]
+
+
+def test_a_prompt_of_whole_blocks_repeated_computes_its_last_block():
+    """32 tokens = 8 full blocks: the repeat must compute at least its last token, so it
+    restores the snapshot at 28 and recomputes block 7 into a block of its own."""
+    eng = make_engine(True, prefix_state_interval=4, num_prefix_snapshots=4)
+    try:
+        a = tokens(32, seed=3)
+        run(eng, [a])
+        assert run(eng, [a])[0].num_cached_tokens == 28
+        assert run(eng, [a + [5]])[0].num_cached_tokens == 32
+        assert_all_free(eng)
+    finally:
+        eng.close()
+
+
+def test_concurrent_sharing_with_preemption_and_aborts(engine):
+    """Three system prompts, 60 requests in waves over a pool small enough to preempt, a
+    sixth of them aborted at random points: the others are exact, the aborted ones a
+    prefix of their reference, and hits are many."""
+    rng = np.random.default_rng(4)
+    systems = [tokens(int(n), seed=40 + i) for i, n in enumerate((18, 25, 37))]
+    engine.scheduler.max_num_batched_tokens = 13
+    held = engine.blocks.allocate(NUM_BLOCKS - 30)
+    before = engine.metrics()
+    sp = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    try:
+        ids, want, done, step = [], {}, {}, 0
+        abort_at = {}
+        while len(ids) < 60 or engine.has_unfinished():
+            for _ in range(int(rng.integers(0, 3))):
+                if len(ids) < 60:
+                    p = systems[int(rng.integers(3))] + tokens(int(rng.integers(1, 12)),
+                                                               seed=1000 + len(ids))
+                    rid = engine.add_request(p, sp)
+                    ids.append(rid)
+                    want[rid] = reference_greedy(p, 10, VOCAB)
+                    if rng.random() < 0.17:
+                        abort_at[rid] = step + int(rng.integers(0, 12))
+            for rid, when in abort_at.items():
+                if when == step and (o := engine.abort(rid)) is not None:
+                    done[rid] = o
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+            step += 1
+    finally:
+        engine.fence.wait_all()
+        engine.blocks.free(held)
+    for rid in ids:
+        o = done[rid]
+        if o.finish_reason == "abort":
+            assert o.token_ids == want[rid][:len(o.token_ids)]
+        else:
+            assert o.token_ids == want[rid], rid
+    after = engine.metrics()
+    assert after["num_preemptions"] > before["num_preemptions"]
+    hits = after["prefix_cache_hits"] - before["prefix_cache_hits"]
+    queries = after["prefix_cache_queries"] - before["prefix_cache_queries"]
+    assert hits > 0.4 * queries
+    assert sum(done[r].num_cached_tokens > 0 for r in ids) > 30
+
+
+def test_eviction_under_churn_keeps_outputs_exact(engine):
+    """More distinct prefixes than blocks and snapshot rows: old ones are evicted, and a
+    prompt whose prefix was partly evicted hits what is left or nothing."""
+    ps = [tokens(int(n), seed=200 + i) for i, n in
+          enumerate(np.random.default_rng(5).integers(9, 40, 30))]
+    run(engine, ps)
+    run(engine, ps[::-1])  # the late ones still cached, the early ones evicted
+    assert engine.blocks.num_evictable > 0
+
+
+def test_sampled_outputs_are_cached_for_the_next_turn(engine):
+    """A follow-up turn (prompt + the answer + a new message) hits beyond the first prompt,
+    since decode steps register the blocks of sampled tokens; its state comes from the
+    last snapshot the first turn's prefill took."""
+    a = tokens(21, seed=8)
+    first = run(engine, [a], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    follow = a + first.token_ids + tokens(3, seed=9)
+    assert run(engine, [follow])[0].num_cached_tokens == 20
+    assert len(engine.prefix._block) >= (21 + 11) // BLOCK
+
+
+def test_caching_off_engine_counts_nothing():
+    eng = make_engine(False)
+    try:
+        a = tokens(20, seed=1)
+        outs = run(eng, [a, a])
+        assert [o.num_cached_tokens for o in outs] == [0, 0]
+        assert eng.metrics()["prefix_cache_queries"] == 0
+        assert eng.config.num_state_rows == SLOTS
+    finally:
+        eng.close()
