@@ -16,6 +16,12 @@ servers get small CPU limits (``CPU_ENGINE_FLAGS``): the servers' own CPU
 defaults pad every prefill step to 8 sequences, which makes a 64-token prompt
 cost about five times more than it must on a CPU.
 
+``--dataset-name prefix`` starts every prompt with one of ``--num-prefixes`` random
+prefixes of ``--shared-prefix-len`` tokens (a shared system prompt, or the history of a
+multi-turn chat); ``--prefix-caching both`` runs every server twice, with caching on and
+started with ``--no-enable-prefix-caching``, and reports the token hit rate (the
+servers' ``vllm:prefix_cache_*`` counters) beside TTFT and throughput.
+
 Requests are streamed completions of random token ids (``/v1/completions``,
 ``stream_options.include_usage``), sent all at once (or at ``--request-rate``
 per second, Poisson) under ``--max-concurrency C`` semantics: at most C in
@@ -53,8 +59,9 @@ import time
 
 import httpx
 
-from bench.load import arrivals, dataset, length_bounds, run_level
-from bench.report import greedy_agreement, plot, roofline_figures, summarise, summary, table
+from bench.load import arrivals, dataset, length_bounds, prefix_dataset, run_level
+from bench.report import (NO_PREFIX_CACHE, greedy_agreement, plot, roofline_figures,
+                          summarise, summary, table)
 from serving.__main__ import LAUNCHER_FLAGS, gpus, without_flags
 from serving.__main__ import parser as stack_parser
 
@@ -161,8 +168,7 @@ def run_mode(mode: str, url: str, args, num_gpus: int, roof: tuple | None,
         asyncio.run(run_level(url, name, warm, args.num_warmups, args.ignore_eos, ""))
     for c in args.concurrency:
         n = args.num_prompts or args.prompts_per_concurrency * c
-        data = dataset(n, args.input_len, args.output_len, args.range_ratio,
-                       args.range_convention, args.vocab_size, seed=[args.seed, c])
+        data = requests(args, n, seed=[args.seed, c])
         results, duration, server = asyncio.run(run_level(
             url, name, data, c, args.ignore_eos, f"{mode} C={c}",
             arrivals(len(data), args.request_rate, [args.seed, c])))
@@ -171,6 +177,24 @@ def run_mode(mode: str, url: str, args, num_gpus: int, roof: tuple | None,
             s.update(roofline_figures(mode, s, results, roof))
         print(table(s), flush=True)
         rows.append(s)
+
+
+def _mode(server: str, prefix_caching: bool) -> str:
+    return server if prefix_caching else server + NO_PREFIX_CACHE
+
+
+def _caching_flag(on: bool) -> list[str]:
+    """Nothing for caching on (the servers' default, or what the flags say)."""
+    return [] if on else ["--no-enable-prefix-caching"]
+
+
+def requests(args, n: int, seed) -> list[tuple[list[int], int]]:
+    """A level's (prompt, max_tokens) pairs: its own draw, so each level starts cold."""
+    common = (n, args.input_len, args.output_len, args.range_ratio, args.range_convention,
+              args.vocab_size, seed)
+    if args.dataset_name == "prefix":
+        return prefix_dataset(*common, args.shared_prefix_len, args.num_prefixes)
+    return dataset(*common)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -185,6 +209,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--range-convention", choices=["sa", "vllm"], default="sa",
                    help="sa: [int(r*L), L] (sa-bench); vllm: [floor((1-r)L), ceil((1+r)L)]")
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--dataset-name", choices=["random", "prefix"], default="random")
+    p.add_argument("--shared-prefix-len", type=int, default=None,
+                   help="prefix dataset: tokens every prompt shares with others (default: "
+                        "90 %% of --input-len)")
+    p.add_argument("--num-prefixes", type=int, default=4,
+                   help="prefix dataset: distinct shared prefixes, drawn in turn")
+    p.add_argument("--prefix-caching", choices=["on", "off", "both"], default="on",
+                   help="both: run each server with caching on, then off")
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="requests/s, Poisson arrivals (default inf: all at once, each "
                         "waiting for a free place under --concurrency)")
@@ -225,6 +257,8 @@ def main(argv=None) -> None:
     args, server_flags = parser().parse_known_args(argv)
     if args.range_ratio is None:
         args.range_ratio = 1.0 if args.range_convention == "sa" else 0.0
+    if args.shared_prefix_len is None:
+        args.shared_prefix_len = int(0.9 * args.input_len)
     if args.model in _TINY and not _ENGINE_FLAGS & {f.split("=")[0] for f in server_flags}:
         server_flags = CPU_ENGINE_FLAGS + server_flags
     if not any(f.split("=")[0] == "--tokenizer" for f in server_flags):
@@ -237,20 +271,21 @@ def main(argv=None) -> None:
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     rows, procs = [], []
     roof = measure_roofline(args, server_flags, args.result_dir) if args.roofline else None
+    caching = {"on": [True], "off": [False], "both": [True, False]}[args.prefix_caching]
     try:
         if args.base_url:
             url, num_gpus = args.base_url.rstrip("/"), args.num_gpus or 1
+            run_mode("disaggregated", url, args, num_gpus, roof, rows)
         else:
-
             stack, _ = stack_parser().parse_known_args(["--model", args.model, *server_flags])
             num_gpus = args.num_gpus or stack.prefill_workers + stack.decode_workers
             url = f"http://127.0.0.1:{args.port}"
-            procs.append(start_server([sys.executable, "-m", "serving", "--model", args.model,
-                                       "--port", str(args.port), *server_flags], url,
-                                      args.startup_timeout))
-        run_mode("disaggregated", url, args, num_gpus, roof, rows)
-        if procs:
-            stop_server(procs.pop())
+            for on in caching:
+                procs.append(start_server([sys.executable, "-m", "serving", "--model", args.model,
+                                           "--port", str(args.port), *server_flags,
+                                           *_caching_flag(on)], url, args.startup_timeout))
+                run_mode(_mode("disaggregated", on), url, args, num_gpus, roof, rows)
+                stop_server(procs.pop())
         if args.compare_aggregated:
             agg = f"http://127.0.0.1:{args.port + 1}"
             # On GPUs the aggregated server gets the first --aggregated-gpus devices only,
@@ -260,11 +295,13 @@ def main(argv=None) -> None:
             env = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95", **os.environ,
                    "CUDA_VISIBLE_DEVICES": ",".join(devices[:args.aggregated_gpus])
                    } if devices else None
-            procs.append(start_server([sys.executable, "-m", "serving.api", "--model",
-                                       args.model, "--port", str(args.port + 1),
-                                       *without_flags(server_flags, LAUNCHER_FLAGS)],
-                                      agg, args.startup_timeout, env))
-            run_mode("aggregated", agg, args, args.aggregated_gpus, roof, rows)
+            for on in caching:
+                procs.append(start_server([sys.executable, "-m", "serving.api", "--model",
+                                           args.model, "--port", str(args.port + 1),
+                                           *without_flags(server_flags, LAUNCHER_FLAGS),
+                                           *_caching_flag(on)], agg, args.startup_timeout, env))
+                run_mode(_mode("aggregated", on), agg, args, args.aggregated_gpus, roof, rows)
+                stop_server(procs.pop())
     finally:
         for proc in procs:
             stop_server(proc)
@@ -276,7 +313,7 @@ def main(argv=None) -> None:
     print(summary(rows))
     for g in agreement:
         print(f"greedy outputs at C={g['max_concurrency']}: {g['same']} of {g['compared']} "
-              f"requests identical in both modes"
+              f"requests identical in {g['mode']} and {g['against']}"
               + (f" (first difference: request {g['first_difference']['request']}, "
                  f"character {g['first_difference']['char']})" if g["first_difference"] else ""))
     print(f"wrote {args.result_dir}/disagg.json and {args.result_dir}/disagg.png", flush=True)

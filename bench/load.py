@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 MEMORY_GAUGES = ("vllm:kv_cache_bytes_in_use", "vllm:state_bytes_in_use")
 TRANSFER_COUNTERS = ("vllm:kv_transfers_total", "vllm:kv_transfer_seconds_total",
                      "vllm:kv_transfer_ack_seconds_total", "vllm:kv_transfer_bytes_total")
+PREFIX_COUNTERS = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")
 # per role ("prefill", "decode", "aggregated"): scraped as "<name>{role}"
 DEVICE_COUNTERS = ("vllm:device_busy_seconds_total", "vllm:device_idle_seconds_total",
                    "vllm:device_steps_total")
@@ -54,6 +55,25 @@ def dataset(n: int, input_len: int, output_len: int, ratio: float, convention: s
     lo, hi = length_bounds(output_len, ratio, convention)
     outs = rng.integers(lo, hi + 1, n)
     return [(rng.integers(3, vocab_size, int(i)).tolist(), int(o)) for i, o in zip(ins, outs)]
+
+
+def prefix_dataset(n: int, input_len: int, output_len: int, ratio: float, convention: str,
+                   vocab_size: int, seed, shared_prefix_len: int, num_prefixes: int
+                   ) -> list[tuple[list[int], int]]:
+    """``dataset``'s requests whose prompts start with one of `num_prefixes` random
+    prefixes of `shared_prefix_len` tokens (drawn in turn), as a shared system prompt or
+    the history of a multi-turn chat: the rest of each prompt is its own, and every
+    prompt keeps at least one token of its own."""
+    if num_prefixes < 1 or shared_prefix_len < 0:
+        raise ValueError("need num_prefixes >= 1 and shared_prefix_len >= 0")
+    data = dataset(n, input_len, output_len, ratio, convention, vocab_size, seed)
+    rng = np.random.default_rng([*np.atleast_1d(seed), 1])
+    heads = [rng.integers(3, vocab_size, shared_prefix_len).tolist() for _ in range(num_prefixes)]
+    out = []
+    for i, (prompt, max_tokens) in enumerate(data):
+        k = min(shared_prefix_len, len(prompt) - 1)
+        out.append((heads[i % num_prefixes][:k] + prompt[k:], max_tokens))
+    return out
 
 
 @dataclasses.dataclass
@@ -175,6 +195,6 @@ async def run_level(url: str, model: str, data, concurrency: int, ignore_eos: bo
         await asyncio.sleep(1.5)  # the router's counters lag its workers' by one poll
         after = await scrape(client, url)
     device = [k for k in after if k.split("{")[0] in DEVICE_COUNTERS]
-    for k in (*TRANSFER_COUNTERS, *device):
+    for k in (*TRANSFER_COUNTERS, *PREFIX_COUNTERS, *device):
         server[k] = after.get(k, 0.0) - before.get(k, 0.0)
     return results, duration, server

@@ -8,6 +8,10 @@ import numpy as np
 from bench.load import Result
 
 
+# the suffix of a mode whose server ran with --no-enable-prefix-caching
+NO_PREFIX_CACHE = ", no prefix cache"
+
+
 def _stats(name: str, seconds: list[float]) -> dict:
     xs = np.asarray(seconds, dtype=float) * 1e3
     if not len(xs):
@@ -40,7 +44,10 @@ def summarise(results: list[Result], duration: float, concurrency: int, num_gpus
     tin = sum(r.prompt_tokens for r in ok)
     tout = sum(r.output_tokens for r in ok)
     transfers = server.get("vllm:kv_transfers_total", 0.0)
+    queries = server.get("vllm:prefix_cache_queries_total", 0.0)
     return {
+        "prefix_cache_hit_rate": (server.get("vllm:prefix_cache_hits_total", 0.0) / queries
+                                  if queries else 0.0),
         "peak_kv_bytes": server.get("vllm:kv_cache_bytes_in_use", 0.0),
         "peak_state_bytes": server.get("vllm:state_bytes_in_use", 0.0),
         "transfers": transfers,
@@ -89,6 +96,7 @@ def table(s: dict) -> str:
                 f"{s['total_token_throughput_per_gpu']:.2f}")]
     out += [line("Peak KV + state in use (GiB):",
                  f"{s['peak_kv_bytes'] / 2**30:.2f} + {s['peak_state_bytes'] / 2**30:.2f}")]
+    out += [line("Prefix cache hit rate (tokens):", f"{s['prefix_cache_hit_rate']:.1%}")]
     if s["transfers"]:
         out += [line("Transfers (mean ms, of which to ack, MiB):",
                      f"{s['transfers']:.0f} ({s['mean_transfer_ms']:.1f}, "
@@ -115,7 +123,7 @@ def table(s: dict) -> str:
 def summary(rows: list[dict]) -> str:
     """One line per run: the sweep at a glance (Markdown)."""
     head = ("| mode | C | ok/all | duration s | req/s | out tok/s | total tok/s | tok/s/GPU "
-            "| TTFT med/p99 ms | TPOT med/p99 ms | ITL med/p99 ms | peak KV+state GiB "
+            "| prefix hits | TTFT med/p99 ms | TPOT med/p99 ms | ITL med/p99 ms | peak KV+state GiB "
             "| transfer ms/req (to ack) | device busy (step ms) | roofline tok/s/GPU (share) "
             "| decode floor ms (of TPOT) |")
     out = [head, "|" + "---|" * (head.count("|") - 1)]
@@ -125,6 +133,7 @@ def summary(rows: list[dict]) -> str:
             f"{s['completed'] + s['failed']} | {s['duration']:.1f} | "
             f"{s['request_throughput']:.2f} | {s['output_throughput']:.1f} | "
             f"{s['total_token_throughput']:.1f} | {s['total_token_throughput_per_gpu']:.1f} | "
+            f"{s['prefix_cache_hit_rate']:.0%} | "
             f"{s['median_ttft_ms']:.0f} / {s['p99_ttft_ms']:.0f} | "
             f"{s['median_tpot_ms']:.1f} / {s['p99_tpot_ms']:.1f} | "
             f"{s['median_itl_ms']:.1f} / {s['p99_itl_ms']:.1f} | "
@@ -150,7 +159,7 @@ def roofline_figures(mode: str, s: dict, results: list[Result], roof: tuple) -> 
         return {}
     f = serving_floor(costs, ceilings, [r.prompt_tokens for r in ok],
                       [r.output_tokens for r in ok], s["max_concurrency"])
-    per_gpu = (f["disaggregated_tokens_per_s_per_gpu"] if mode == "disaggregated"
+    per_gpu = (f["disaggregated_tokens_per_s_per_gpu"] if mode.startswith("disaggregated")
                else f["aggregated_tokens_per_s"])
     return {"roofline_tokens_per_s_per_gpu": per_gpu,
             "roofline_share": s["total_token_throughput_per_gpu"] / per_gpu,
@@ -190,15 +199,20 @@ def plot(rows: list[dict], path: str) -> None:
 
 
 def greedy_agreement(rows: list[dict]) -> list[dict]:
-    """Per concurrency level run in both modes: how many requests (same prompts, greedy)
-    produced the same completion text in both, and where the first differing one
-    diverged. Under bf16 a batch of another composition may legitimately flip a near-tie,
-    so this is a figure to read, not a pass/fail."""
+    """Per concurrency level, each mode against the reference mode (the aggregated
+    server without prefix caching if it ran, else the aggregated server, else the first
+    mode): how many requests (same prompts, greedy) produced the same completion text in
+    both, and where the first differing one diverged. Under bf16 a batch of another
+    composition may legitimately flip a near-tie, so this is a figure to read, not a
+    pass/fail."""
     by = {(r["mode"], r["max_concurrency"]): r for r in rows}
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    ref = next((m for m in (f"aggregated{NO_PREFIX_CACHE}", "aggregated") if m in modes),
+               modes[0] if modes else None)
     out = []
     for (mode, c), d in by.items():
-        a = by.get(("aggregated", c))
-        if mode != "disaggregated" or a is None:
+        a = by.get((ref, c))
+        if mode == ref or a is None:
             continue
         both = [(i, x, y) for i, (x, y) in enumerate(zip(d["texts"], a["texts"]))
                 if x is not None and y is not None]
@@ -208,6 +222,6 @@ def greedy_agreement(rows: list[dict]) -> list[dict]:
             i, x, y = differ[0]
             n = min(len(x), len(y))
             first = {"request": i, "char": next((j for j in range(n) if x[j] != y[j]), n)}
-        out.append({"max_concurrency": c, "compared": len(both),
+        out.append({"mode": mode, "against": ref, "max_concurrency": c, "compared": len(both),
                     "same": len(both) - len(differ), "first_difference": first})
     return out

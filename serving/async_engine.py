@@ -284,6 +284,8 @@ class AsyncEngine:
             "kv_bytes_in_use": m["kv_bytes_in_use"], "state_bytes_in_use": m["state_bytes_in_use"],
             "num_preemptions": m["num_preemptions"],
             "serving_compiles": m["serving_compiles"],
+            "prefix_cache_queries": m["prefix_cache_queries"],
+            "prefix_cache_hits": m["prefix_cache_hits"],
             **{k: m[k] for k in ("device_busy_s", "device_idle_s", "device_steps") if k in m},
         }
 

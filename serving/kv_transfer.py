@@ -112,15 +112,17 @@ def _blocks(layout: CacheLayout, block_ids, num_tokens: int):
 
 
 def stream_items(src: CacheLayout, src_blocks, src_slot: int, dst: CacheLayout, dst_blocks,
-                 dst_slot: int, num_tokens: int):
+                 dst_slot: int, num_tokens: int, skip_blocks: int = 0):
     """Matching ``(source items, destination items)`` that copy a request's first
-    ``num_tokens`` tokens of KV and its GDN state from ``src``'s layout into ``dst``'s,
-    whatever the two head splits (one must divide the other); feed them to
+    ``num_tokens`` tokens of KV, but its first ``skip_blocks`` blocks (the destination
+    holds them already: prefix-cache blocks), and its GDN state from ``src``'s layout into
+    ``dst``'s, whatever the two head splits (one must divide the other); feed them to
     ``transfer.descriptors.plan``."""
     _check_matching(src, dst)
     src_items, dst_items = [], []
-    arrays = ((src.kv_parts, dst.kv_parts, _blocks(src, src_blocks, num_tokens),
-               _blocks(dst, dst_blocks, num_tokens), src.block_bytes, dst.block_bytes, src.kv_rows),
+    arrays = ((src.kv_parts, dst.kv_parts, _blocks(src, src_blocks, num_tokens)[skip_blocks:],
+               _blocks(dst, dst_blocks, num_tokens)[skip_blocks:], src.block_bytes,
+               dst.block_bytes, src.kv_rows),
               (src.conv_parts, dst.conv_parts, [src_slot], [dst_slot], src.conv_slot_bytes,
                dst.conv_slot_bytes, 1),
               (src.ssm_parts, dst.ssm_parts, [src_slot], [dst_slot], src.ssm_slot_bytes,
@@ -182,9 +184,11 @@ def source_record(layout: CacheLayout, block_ids, slot: int, num_tokens: int) ->
             "blocks": [int(b) for b in _blocks(layout, block_ids, num_tokens)]}
 
 
-def pull_items(record, layout: CacheLayout, block_ids, slot: int, num_tokens: int):
+def pull_items(record, layout: CacheLayout, block_ids, slot: int, num_tokens: int,
+               skip_blocks: int = 0):
     """``(source items, local items)`` that copy the request of a peer's ``source_record``
-    into ``block_ids`` and ``slot`` of ``layout``; TransferParamsError if the record is
+    into ``block_ids`` and ``slot`` of ``layout``, but the first ``skip_blocks`` blocks
+    (``stream_items``); TransferParamsError if the record is
     malformed or does not fit this layout (the transfer manager checks separately that
     the source items lie inside what the lease pinned)."""
     try:
@@ -195,7 +199,7 @@ def pull_items(record, layout: CacheLayout, block_ids, slot: int, num_tokens: in
                 and _is_int(src_slot, 0)):
             raise ValueError("expected 'blocks' (block ids) and 'slot' (a slot id)")
         return stream_items(CacheLayout.from_json(record.get("layout")), blocks, src_slot,
-                            layout, block_ids, slot, num_tokens)
+                            layout, block_ids, slot, num_tokens, skip_blocks)
     except ValueError as e:
         raise TransferParamsError(f"source cache record: {e}") from None
 

@@ -69,6 +69,7 @@ class PrefillResult(Message):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     transfer: Ticket | None = None
+    num_cached_tokens: Annotated[int, Field(ge=0, lt=2**31)] = 0  # prefix-cache hit
 
 
 class DecodeRequest(Message):

@@ -2,9 +2,12 @@
 
 It is a ``serving.api.backend.Backend``, so the OpenAI server fronts a
 disaggregated pair exactly as it fronts the aggregated engine.  For each
-request it posts the prompt to the least-loaded prefill worker (whose answer is
-the first token and the ticket of the pinned cache), then streams the rest from
-the least-loaded decode worker, which claims and pulls the cache itself.  The
+request it posts the prompt to a prefill worker (whose answer is the first token
+and the ticket of the pinned cache), then streams the rest from a decode worker,
+which claims and pulls the cache itself; each is the least loaded, with a worker
+it sent the prompt's prefix before counting as up to one request less loaded
+(``PrefixIndex``: there the prefix is likely cached, and a decode worker that has
+it pulls only the rest).  The
 router never touches cache memory; it only carries tickets.  Every call carries
 the workers' shared secret, and every message is a ``serving.messages`` model.
 
@@ -32,11 +35,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from collections import OrderedDict
 
 import httpx
 from pydantic import ValidationError
 
 from serving.engine import RequestOutput, SamplingParams
+from serving.engine.prefix_cache import block_key
 from serving.errors import EngineDead, EngineOverloaded, Unavailable, WorkerFailed
 from serving.messages import (DecodeFrame, DecodeRequest, PeerLost, PrefillRequest,
                               PrefillResult, Sampling, Sources)
@@ -47,24 +52,67 @@ log = logging.getLogger(__name__)
 __all__ = ["Router", "RouterStream", "WorkerFailed"]
 
 
-class _Pool:
-    """Workers of one role, picked by fewest outstanding requests (ties rotate)."""
+class PrefixIndex:
+    """Which workers were sent each prompt prefix, by the hash chain of its full blocks
+    (``prefix_cache.block_key``): where a prompt's prefix is most likely cached. It is a
+    bounded LRU and a guess (a worker may have evicted the prefix, or restarted), as
+    llm-d's prefix scorer and Dynamo's approximate KV router are."""
 
-    def __init__(self, urls: list[str]):
+    def __init__(self, block_size: int, max_keys: int = 1 << 17):
+        self.block_size, self.max_keys = block_size, max_keys
+        self._workers: OrderedDict[bytes, set[str]] = OrderedDict()
+
+    def keys(self, prompt: list[int]) -> list[bytes]:
+        out, prev, bs = [], b"router", self.block_size
+        for j in range(len(prompt) // bs):
+            prev = block_key(prev, prompt[j * bs:(j + 1) * bs])
+            out.append(prev)
+        return out
+
+    def matched(self, keys: list[bytes]) -> dict[str, int]:
+        """Per worker, how many of the leading blocks it was sent."""
+        out: dict[str, int] = {}
+        for j, key in enumerate(keys):
+            workers = self._workers.get(key)
+            if not workers:
+                break
+            self._workers.move_to_end(key)
+            for u in workers:
+                out[u] = j + 1
+        return out
+
+    def record(self, keys: list[bytes], url: str) -> None:
+        for key in keys:
+            self._workers.setdefault(key, set()).add(url)
+            self._workers.move_to_end(key)
+        while len(self._workers) > self.max_keys:
+            self._workers.popitem(last=False)
+
+
+class _Pool:
+    """Workers of one role, picked by the least cost: outstanding requests, plus the share
+    of the prompt's blocks a worker was not sent before (a worker holding the whole prefix
+    is worth one request more of load); ties rotate."""
+
+    def __init__(self, urls: list[str], block_size: int):
         if not urls:
             raise ValueError("need at least one worker of each role")
         self.urls = list(urls)
         self.load = dict.fromkeys(self.urls, 0)
+        self.prefixes = PrefixIndex(block_size)
         self._turn = itertools.count()
 
-    def pick(self, exclude=()) -> str | None:
-        """The least loaded of the workers not in ``exclude``; None if none is left."""
+    def pick(self, exclude=(), keys: list[bytes] = ()) -> str | None:
+        """The worker of least cost among those not in ``exclude``, for a prompt of block
+        ``keys`` (``PrefixIndex.keys``; none: by load alone); None if none is left."""
         choices = [u for u in self.urls if u not in exclude]
         if not choices:
             return None
         start = next(self._turn)
         rotated = choices[start % len(choices):] + choices[:start % len(choices)]
-        return min(rotated, key=self.load.__getitem__)
+        matched = self.prefixes.matched(keys) if keys else {}
+        return min(rotated, key=lambda u: self.load[u]
+                   + (1 - matched.get(u, 0) / len(keys) if keys else 0))
 
 
 class RouterStream:
@@ -103,7 +151,8 @@ class RouterStream:
                     finished=frame.finished, finish_reason=frame.finish_reason,
                     stop_reason=frame.stop_reason,
                     logprobs=list(logprobs) if self._first.logprobs is not None else None,
-                    num_preemptions=frame.num_preemptions)
+                    num_preemptions=frame.num_preemptions,
+                    num_cached_tokens=self._first.num_cached_tokens)
                 if frame.finished:
                     return
             raise WorkerFailed(f"decode worker {url} closed the stream before the request finished")
@@ -129,8 +178,10 @@ class Router:
 
     def __init__(self, prefill_urls: list[str], decode_urls: list[str], *, secret: str,
                  max_model_len: int, max_logprobs: int, request_timeout: float = 120.0,
-                 connect_timeout: float = 5.0, decode_retry_seconds: float = 20.0):
-        self.prefill, self.decode = _Pool(prefill_urls), _Pool(decode_urls)
+                 connect_timeout: float = 5.0, decode_retry_seconds: float = 20.0,
+                 block_size: int = 16):
+        self.prefill = _Pool(prefill_urls, block_size)
+        self.decode = _Pool(decode_urls, block_size)
         self.max_model_len, self.max_logprobs = max_model_len, max_logprobs
         self.decode_retry_seconds = decode_retry_seconds
         timeout = httpx.Timeout(request_timeout, connect=connect_timeout)
@@ -155,8 +206,11 @@ class Router:
         models = {i["model"] for i in infos}
         if len(models) != 1:
             raise ValueError(f"workers serve different models: {sorted(models)}")
+        sizes = {i["compat"]["block_size"] for i in infos}
+        if len(sizes) != 1:
+            raise ValueError(f"workers use different block sizes: {sorted(sizes)}")
         router = cls(prefill_urls, decode_urls, secret=secret, max_model_len=min(lens),
-                     max_logprobs=min(lps), **kw)
+                     max_logprobs=min(lps), block_size=sizes.pop(), **kw)
         for url, info in zip(prefill_urls + decode_urls, infos):
             router._saw(url, info)
         return router
@@ -167,9 +221,11 @@ class Router:
         down = self._down()
         if set(self.decode.urls) <= down:  # prefilling it would only hold memory for nothing
             raise Unavailable(f"no decode worker is live: {self._why(self.decode.urls)}")
-        url = self.prefill.pick(exclude=down)
+        keys = self.prefill.prefixes.keys(prompt_token_ids)
+        url = self.prefill.pick(exclude=down, keys=keys)
         if url is None:
             raise Unavailable(f"no prefill worker is live: {self._why(self.prefill.urls)}")
+        self.prefill.prefixes.record(keys, url)
         self.prefill.load[url] += 1
         body = PrefillRequest(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
                               params=Sampling.of(params))
@@ -186,22 +242,23 @@ class Router:
             request_id=request_id, prompt_token_ids=list(prompt_token_ids),
             token_ids=list(result.token_ids), new_token_ids=list(result.token_ids),
             finished=result.transfer is None, finish_reason=result.finish_reason,
-            stop_reason=result.stop_reason, logprobs=result.logprobs)
+            stop_reason=result.stop_reason, logprobs=result.logprobs,
+            num_cached_tokens=result.num_cached_tokens)
         if first.finished:
             return RouterStream(self, request_id, first, None)
         self._sources[url] = tuple(result.transfer.address)
         decode = await self._start_decode(DecodeRequest(
             request_id=request_id, prompt_token_ids=list(prompt_token_ids),
             first_token=result.token_ids[-1], params=Sampling.of(params),
-            transfer=result.transfer))
+            transfer=result.transfer), keys)
         return RouterStream(self, request_id, first, decode)
 
-    async def _start_decode(self, body: DecodeRequest):
+    async def _start_decode(self, body: DecodeRequest, keys: list[bytes]):
         content = body.model_dump_json()
         deadline = asyncio.get_running_loop().time() + self.decode_retry_seconds
         tried: set[str] = set(self._down())
         while True:
-            url = self.decode.pick(exclude=tried)
+            url = self.decode.pick(exclude=tried, keys=keys)
             if url is None:  # every live one is full, or gone
                 if not set(self.decode.urls) - self._down():
                     raise Unavailable(f"no decode worker is live: {self._why(self.decode.urls)}")
@@ -230,6 +287,7 @@ class Router:
                 self.decode.load[url] -= 1
                 raise
             if response.status_code == 200:
+                self.decode.prefixes.record(keys, url)
                 return url, response
             await response.aread()
             await response.aclose()
@@ -334,9 +392,9 @@ class Router:
         """Sums of the workers' counters as of the last health poll."""
         keys = ("num_running", "num_waiting", "num_blocks", "free_blocks", "num_slots",
                 "free_slots", "kv_bytes_in_use", "state_bytes_in_use", "num_preemptions",
-                "serving_compiles", "transfers",
+                "serving_compiles", "prefix_cache_queries", "prefix_cache_hits", "transfers",
                 "transfer_bytes", "transfer_seconds", "transfer_ack_seconds",
-                "transfer_descriptors", "transfer_failures")
+                "transfer_descriptors", "transfer_failures", "transfer_cached_tokens")
         total = {k: sum(s.get(k, 0) for s in self._stats.values()) for k in keys}
         total["device"] = {
             role: {k: sum(self._stats.get(u, {}).get(k, 0) for u in pool.urls)

@@ -135,7 +135,8 @@ class ScriptedEngine:
                 "free_blocks": 4 - len(self.running), "free_slots": 4 - len(self.running),
                 "kv_cache_usage": len(self.running) / 4, "num_preemptions": 0,
                 "serving_compiles": 0, "kv_bytes_in_use": 64 * len(self.running),
-                "state_bytes_in_use": 8 * len(self.running)}
+                "state_bytes_in_use": 8 * len(self.running), "prefix_cache_queries": 0,
+                "prefix_cache_hits": 0}
 
     def close(self):
         pass

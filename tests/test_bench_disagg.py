@@ -1,6 +1,7 @@
 """`python -m bench.disagg`: the request-length conventions, and one real run that starts
-the disaggregated stack and the aggregated server, sends both the same requests, and
-writes the table, the JSON and the plot."""
+the disaggregated stack and the aggregated server, sends both the same requests (prompts
+sharing two prefixes, with prefix caching on), and writes the table, the JSON and the
+plot."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import numpy as np
 import psutil
 import pytest
 
-from bench.load import arrivals, dataset, length_bounds
+from bench.load import arrivals, dataset, length_bounds, prefix_dataset
 from bench.report import greedy_agreement
 from serving.ports import free_port
 
@@ -72,6 +73,7 @@ def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     port = free_port(span=2)
     args = ["--input-len", "64", "--output-len", "8", "--range-ratio", "0.5", "--ignore-eos",
+            "--dataset-name", "prefix", "--shared-prefix-len", "48", "--num-prefixes", "2",
             "--concurrency", "1", "3", "--num-prompts", "4", "--compare-aggregated",
             "--port", str(port), "--result-dir", str(out), "--startup-timeout", "600",
             "--roofline", "--ceiling-flags", "--ceiling-mib 8 --matmul-size 128"]
@@ -88,7 +90,7 @@ def test_every_request_succeeds_with_the_requested_lengths(run):
     assert [(r["mode"], r["max_concurrency"]) for r in rows] == [
         ("disaggregated", 1), ("disaggregated", 3), ("aggregated", 1), ("aggregated", 3)]
     for r in rows:
-        data = dataset(4, 64, 8, 0.5, "sa", 512, seed=[0, r["max_concurrency"]])
+        data = prefix_dataset(4, 64, 8, 0.5, "sa", 512, [0, r["max_concurrency"]], 48, 2)
         assert r["completed"] == 4 and r["failed"] == 0 and r["errors"] == []
         assert r["input_lens"] == [len(p) for p, _ in data]
         assert r["output_lens"] == [o for _, o in data]  # --ignore-eos: exactly max_tokens
@@ -152,7 +154,8 @@ def test_greedy_outputs_compared_between_modes(run):
     assert [(g["max_concurrency"], g["compared"], g["same"]) for g in result["greedy_agreement"]
             ] == [(1, 4, 4), (3, 4, 4)]
     assert all(g["first_difference"] is None for g in result["greedy_agreement"])
-    assert "greedy outputs at C=3: 4 of 4 requests identical in both modes" in stdout
+    assert ("greedy outputs at C=3: 4 of 4 requests identical in disaggregated and aggregated"
+            in stdout)
     for r in result["results"]:
         assert all(t for t in r["texts"])  # every completion has text (tiny tokenizer)
 
@@ -161,8 +164,38 @@ def test_greedy_agreement_finds_the_first_difference():
     rows = [{"mode": "disaggregated", "max_concurrency": 2, "texts": ["abc", "abd", None]},
             {"mode": "aggregated", "max_concurrency": 2, "texts": ["abc", "abX", "zzz"]},
             {"mode": "disaggregated", "max_concurrency": 4, "texts": ["a"]}]
-    assert greedy_agreement(rows) == [{"max_concurrency": 2, "compared": 2, "same": 1,
+    assert greedy_agreement(rows) == [{"mode": "disaggregated", "against": "aggregated",
+                                       "max_concurrency": 2, "compared": 2, "same": 1,
                                        "first_difference": {"request": 1, "char": 2}}]
+    rows = [{"mode": m, "max_concurrency": 1, "texts": ["a"]} for m in (
+        "disaggregated", "disaggregated, no prefix cache", "aggregated",
+        "aggregated, no prefix cache")]
+    assert [(g["mode"], g["against"]) for g in greedy_agreement(rows)] == [
+        (m, "aggregated, no prefix cache") for m in ("disaggregated",
+                                                     "disaggregated, no prefix cache",
+                                                     "aggregated")]
+
+
+def test_prefix_dataset_shares_the_heads_and_keeps_the_lengths():
+    data = prefix_dataset(9, 40, 5, 0.5, "sa", 100, [0, 1], shared_prefix_len=30,
+                          num_prefixes=3)
+    plain = dataset(9, 40, 5, 0.5, "sa", 100, [0, 1])
+    assert [len(p) for p, _ in data] == [len(p) for p, _ in plain]
+    assert [o for _, o in data] == [o for _, o in plain]
+    for i, (p, _) in enumerate(data):
+        k = min(30, len(p) - 1)
+        first = data[i % 3][0]  # the first prompt with this head
+        shared = min(k, len(first) - 1)
+        assert p[:shared] == first[:shared] and p[k:] == plain[i][0][k:]
+    assert data[0][0][:20] != data[1][0][:20]
+
+
+def test_the_run_hits_the_prefix_cache(run):
+    """Prompts of 32-64 tokens sharing 48 (or all but one) with two others: later requests
+    of a level hit cached blocks of 16 tokens in both modes."""
+    _, result, _, _ = run
+    for r in result["results"]:
+        assert 0.2 < r["prefix_cache_hit_rate"] < 1, (r["mode"], r["prefix_cache_hit_rate"])
 
 
 def test_prints_vllm_bench_serve_table_and_writes_the_plot(run):

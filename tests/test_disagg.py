@@ -220,6 +220,37 @@ def test_32_concurrent_greedy_requests_match_aggregated_three_times(stack, refer
     assert per_request <= 4, per_request
 
 
+def test_follow_up_turns_hit_the_prefix_cache_on_both_sides(stack, reference):
+    """Three turns of a conversation, each prompt the last one, its answer and a new
+    message. The router sends each turn where its prefix went: the prefill worker
+    computes from its cached prefix (its last block boundary), the decode worker pulls
+    only the blocks it lacks; the tokens are the aggregated engine's without caching."""
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    decode_before = [stack.stats(u)["transfer_cached_tokens"] for u in stack.urls["decode"]]
+    rng = np.random.default_rng(60)
+    turns = [rng.integers(2, 512, 45).tolist()]
+
+    async def go():
+        router = Router.from_workers(stack.urls["prefill"], stack.urls["decode"], secret=SECRET)
+        outs = []
+        for turn in range(3):
+            [out] = await run_all(router, [turns[-1]], params)
+            assert not isinstance(out, BaseException), out
+            outs.append(out)
+            turns.append(turns[-1] + out.token_ids + rng.integers(2, 512, 7).tolist())
+        return outs
+
+    outs = asyncio.run(go())
+    want = [o.token_ids for o in reference.generate(turns[:3], params)]
+    assert [o.token_ids for o in outs] == want
+    assert [o.num_cached_tokens for o in outs] == [0] + [16 * (len(t) // 16) for t in turns[:2]]
+    skipped = sum(stack.stats(u)["transfer_cached_tokens"] for u in stack.urls["decode"]) \
+        - sum(decode_before)
+    # turn k + 1 finds turn k's prompt and all but its last answer token cached
+    assert skipped == sum(16 * ((len(t) + 15) // 16) for t in turns[:2])
+    assert pools_full(stack, stack.urls["prefill"] + stack.urls["decode"]) is True
+
+
 def test_decode_side_full_queues_requests_instead_of_refusing(stack):
     """More concurrent requests than a decode worker has slots: the rest wait there for
     memory (their leases kept alive by their claims) instead of being refused. The first

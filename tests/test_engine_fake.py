@@ -109,7 +109,7 @@ def test_remote_requests_beyond_capacity_wait_for_memory_in_arrival_order(engine
     while it waits holds nothing."""
     ps = prompts(SLOTS + 3, seed=11, lo=5, hi=8)
     ids = [engine.add_remote_request(p, reference_next(p, VOCAB), GREEDY) for p in ps]
-    reserved = [r for r, _, _ in engine.reserve_transfers()]
+    reserved = [r.request_id for r in engine.reserve_transfers()]
     assert reserved == ids[:SLOTS]  # a slot each: the rest wait
     assert engine.metrics()["num_waiting"] == 3
     engine.abort(ids[SLOTS])  # gone while queued: never gets memory
@@ -117,7 +117,7 @@ def test_remote_requests_beyond_capacity_wait_for_memory_in_arrival_order(engine
         engine.finish_transfer(rid, ok=False)  # recompute them, as a failed pull would
     done, later = {}, []
     while engine.has_unfinished():
-        for r, _, _ in engine.reserve_transfers():
+        for r, *_ in engine.reserve_transfers():
             later.append(r)
             engine.finish_transfer(r, ok=False)
         done.update({o.request_id: o for o in engine.step() if o.finished})
@@ -178,33 +178,50 @@ def test_aborts_at_any_point(engine):
             assert o.token_ids == ref
 
 
+def fill_as_a_transfer(engine, prompt, blocks, slot, skip=0):
+    """Write a prompt's KV into `blocks` after the first `skip` and its state into `slot`,
+    outside the step programs, as a transfer would."""
+    h = 0
+    for x in prompt:
+        h = (h * 31 + x) % 1_000_003
+    kv = np.full((len(blocks) * BLOCK,), 5, np.int32)
+    kv[:len(prompt)] = prompt
+    fill = jax.jit(lambda c, b, v, s, hv: FakeCache(c.kv.at[b].set(v), c.ssm.at[s].set(hv)),
+                   donate_argnums=0)
+    engine.runner.cache = fill(engine.runner.cache, np.asarray(blocks[skip:]),
+                               kv.reshape(-1, BLOCK)[skip:], slot, h)
+
+
 def test_transfer_target_filled_then_decoded(engine):
     """The disaggregated decode side: reserve memory, fill it outside the step
-    programs (as a transfer would), then decode from it."""
+    programs (as a transfer would), then decode from it. With prefix caching the same
+    prompt again finds its blocks cached on this side: the transfer fills the rest."""
     p = prompts(1, seed=6, lo=20)[0]
     first = reference_next(p, VOCAB)
     rid = engine.add_remote_request(p, first, GREEDY)
-    [(_, blocks, slot)] = engine.reserve_transfers()
+    [(_, blocks, slot, shared)] = engine.reserve_transfers()
+    assert shared == 0
     engine.step()  # nothing runs for it while the transfer is pending
     assert engine.requests[rid].num_computed_tokens == 0
-
-    h = 0
-    for x in p:
-        h = (h * 31 + x) % 1_000_003
-    kv = np.full((len(blocks) * BLOCK,), 5, np.int32)
-    kv[:len(p)] = p
-    fill = jax.jit(lambda c, b, v, s, hv: FakeCache(c.kv.at[b].set(v), c.ssm.at[s].set(hv)),
-                   donate_argnums=0)
-    engine.runner.cache = fill(engine.runner.cache, np.asarray(blocks), kv.reshape(-1, BLOCK),
-                               slot, h)
+    fill_as_a_transfer(engine, p, blocks, slot)
     engine.finish_transfer(rid, ok=True)
     done = {}
     while engine.has_unfinished():
         done.update({o.request_id: o for o in engine.step() if o.finished})
     assert done[rid].token_ids == reference_greedy(p, 24, VOCAB)
 
+    rid3 = engine.add_remote_request(p, first, GREEDY)
+    [(_, blocks3, slot3, shared)] = engine.reserve_transfers()
+    assert shared == (len(p) // BLOCK if engine.prefix else 0)
+    assert blocks3[:shared] == blocks[:shared]
+    fill_as_a_transfer(engine, p, blocks3, slot3, skip=shared)
+    engine.finish_transfer(rid3, ok=True)
+    while engine.has_unfinished():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert done[rid3].token_ids == reference_greedy(p, 24, VOCAB)
+
     rid2 = engine.add_remote_request(p, first, GREEDY)  # a failed transfer: recompute
-    assert [r for r, _, _ in engine.reserve_transfers()] == [rid2]
+    assert [r.request_id for r in engine.reserve_transfers()] == [rid2]
     engine.finish_transfer(rid2, ok=False)
     while engine.has_unfinished():
         done.update({o.request_id: o for o in engine.step() if o.finished})
@@ -260,7 +277,7 @@ def test_500_random_requests_fenced_and_all_memory_returned(engine):
                 engine.abort(live.pop(int(rng.integers(len(live)))))
             if queued and rng.random() < 0.05:  # a client gone while its request waits
                 engine.abort(queued.pop(int(rng.integers(len(queued)))))
-            for rid, blocks, slot in engine.reserve_transfers():  # memory for queued ones
+            for rid, blocks, slot, _ in engine.reserve_transfers():  # memory for queued ones
                 queued.remove(rid)
                 transfers[rid] = (set(blocks), {slot})
             for rid in [r for r in transfers if rng.random() < 0.2]:

@@ -6,7 +6,7 @@ import pytest
 
 from serving.engine import RequestOutput, SamplingParams
 from serving.errors import EngineOverloaded, Unavailable, WorkerFailed
-from serving.router import Router, RouterStream
+from serving.router import _Pool, Router, RouterStream
 
 SECRET = "the workers' shared secret, test"
 TICKET = {"agent": "prefill-a", "address": ["127.0.0.1", 9000], "lease": "abc.1", "ttl": 30.0}
@@ -216,6 +216,25 @@ def test_the_least_loaded_worker_is_picked():
     assert {router.prefill.pick() for _ in range(6)} == {"http://p1"}
     assert router.prefill.pick(exclude={"http://p1"}) == "http://p2"
     assert router.prefill.pick(exclude=set(router.prefill.urls)) is None
+
+
+def test_a_prompt_goes_where_its_prefix_went_unless_that_worker_is_busier():
+    """Cost = outstanding requests + the share of the prompt's blocks a worker was not
+    sent: with equal loads the longest match wins; load outweighs a partial match; a
+    prompt sharing nothing goes by load alone."""
+    pool = _Pool(["http://a", "http://b", "http://c"], block_size=4)
+    head = list(range(1, 17))  # four blocks
+    pool.prefixes.record(pool.prefixes.keys(head + [99]), "http://b")
+    pool.prefixes.record(pool.prefixes.keys(head[:8]), "http://c")
+    keys = pool.prefixes.keys(head + [5, 6, 7, 8])  # five blocks
+    assert pool.prefixes.matched(keys) == {"http://b": 4, "http://c": 2}
+    assert {pool.pick(keys=keys) for _ in range(6)} == {"http://b"}  # 0.2 < 0.6 < 1
+    pool.load["http://b"] = 1
+    assert {pool.pick(keys=keys) for _ in range(6)} == {"http://c"}  # 1.2 > 0.6 < 1
+    assert pool.pick(keys=keys, exclude={"http://c"}) == "http://a"  # 1.2 > 1
+    other = pool.prefixes.keys(list(range(100, 120)))
+    pool.load.update({"http://a": 1, "http://b": 2, "http://c": 1})
+    assert {pool.pick(keys=other) for _ in range(6)} == {"http://a", "http://c"}
 
 
 def test_logprobs_keep_their_int_token_ids_through_the_router():

@@ -124,6 +124,11 @@ class _BackendCollector:
         yield counter("vllm:compiles_during_serving", "XLA compilations inside serving steps "
                       "(should stay 0: a shape escaped the start-up buckets)",
                       s["serving_compiles"])
+        yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix "
+                      "cache", s.get("prefix_cache_queries", 0))
+        yield counter("vllm:prefix_cache_hits", "Of vllm:prefix_cache_queries_total, tokens "
+                      "found cached (KV blocks and a GDN state snapshot)",
+                      s.get("prefix_cache_hits", 0))
         yield counter("vllm:kv_transfers", "Prefill -> decode state transfers",
                       s.get("transfers", 0))
         yield counter("vllm:kv_transfer_bytes", "KV and GDN state bytes transferred",
@@ -139,6 +144,9 @@ class _BackendCollector:
                       s.get("transfer_descriptors", 0))
         yield counter("vllm:kv_transfer_failures", "Transfers that failed or timed out",
                       s.get("transfer_failures", 0))
+        yield counter("qwen35:kv_transfer_cached_tokens", "Prompt tokens a decode worker did "
+                      "not pull: its prefix cache held their KV blocks",
+                      s.get("transfer_cached_tokens", 0))
         yield from _device_counters(self.model_name, s)
 
 

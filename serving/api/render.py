@@ -12,7 +12,8 @@ from serving.api.prepare import Job
 from serving.api.protocol import (AssistantMessage, ChatChoice, ChatCompletionChunk,
                                   ChatCompletionResponse, ChatLogprobs, ChatStreamChoice,
                                   CompletionChoice, CompletionLogprobs, CompletionResponse,
-                                  DeltaMessage, TokenLogprob, TopLogprob, UsageInfo)
+                                  DeltaMessage, PromptTokensDetails, TokenLogprob,
+                                  TopLogprob, UsageInfo)
 from serving.api.text import IncrementalDecoder, Tokenizer
 from serving.engine import RequestOutput
 
@@ -34,12 +35,19 @@ def final_text(tok: Tokenizer, out: RequestOutput, job: Job) -> str:
     return text
 
 
-def usage(jobs: list[Job], outs: list[RequestOutput]) -> UsageInfo:
-    """Each prompt counts once, however many choices it has (vLLM's convention)."""
+def usage(jobs: list[Job], outs: list[RequestOutput | None]) -> UsageInfo:
+    """Each prompt counts once, however many choices it has (vLLM's convention), and so
+    do its cached tokens (the most any of its choices found). `outs[i]` is job i's final
+    output, None if it has none."""
     prompt = sum(len(p.token_ids) for p in {id(j.prompt): j.prompt for j in jobs}.values())
-    completion = sum(len(o.token_ids) for o in outs)
+    completion = sum(len(o.token_ids) for o in outs if o is not None)
+    cached: dict[int, int] = {}
+    for j, o in zip(jobs, outs, strict=True):
+        if o is not None:
+            cached[id(j.prompt)] = max(cached.get(id(j.prompt), 0), o.num_cached_tokens)
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
-                     total_tokens=prompt + completion)
+                     total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(cached.values())))
 
 
 def completion_logprobs(tok: Tokenizer, token_ids: list[int], lps: list[dict[int, float]],
@@ -149,7 +157,7 @@ class StreamRenderer:
     def end(self) -> list[str]:
         events = []
         if self.include_usage:
-            u = usage(self.jobs, [o for o in self.finals if o is not None])
+            u = usage(self.jobs, self.finals)
             if self.chat:
                 events.append(sse(ChatCompletionChunk(id=self.id, created=self.created,
                                                       model=self.model, choices=[], usage=u)))

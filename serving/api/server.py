@@ -64,6 +64,15 @@ def parser() -> argparse.ArgumentParser:
                         "VLLM_API_KEY, else no key")
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_BYTES,
                    help="request bodies over this many bytes are refused (413) unread")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="share cached prompt prefixes: KV blocks and GDN state snapshots "
+                        "(serving/engine/prefix_cache.py)")
+    p.add_argument("--prefix-state-interval", type=int, default=32, metavar="BLOCKS",
+                   help="take a GDN state snapshot every this many blocks of a prefill (and "
+                        "at the prompt's end)")
+    p.add_argument("--num-prefix-snapshots", type=int, default=None,
+                   help="state rows for snapshots, counted in the cache budget "
+                        "(default: max-num-seqs)")
     p.add_argument("--prefill-token-buckets", type=_ints, default=None, metavar="T1,T2,...")
     p.add_argument("--prefill-seq-buckets", type=_ints, default=None, metavar="N1,N2,...")
     p.add_argument("--decode-seq-buckets", type=_ints, default=None, metavar="N1,N2,...")
@@ -81,7 +90,10 @@ def engine_kwargs(args) -> dict:
     on_cpu = jax.default_backend() == "cpu"
     kw = {"block_size": args.block_size, "max_logprobs": args.max_logprobs,
           "memory_utilization": args.gpu_memory_utilization, "ep": args.ep, "tp": args.tp,
-          "track_device_idle": True}  # servers export device busy / idle time
+          "track_device_idle": True,  # servers export device busy / idle time
+          "enable_prefix_caching": args.enable_prefix_caching,
+          "prefix_state_interval": args.prefix_state_interval,
+          "num_prefix_snapshots": args.num_prefix_snapshots}
     for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
         value = getattr(args, name)
         if value is None and on_cpu:

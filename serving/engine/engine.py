@@ -28,6 +28,7 @@ import dataclasses
 import logging
 import time
 from collections import deque
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -47,6 +48,16 @@ from serving.engine.state_pool import SlotPool
 from serving.engine.stop import check_stop
 
 log = logging.getLogger(__name__)
+
+
+class Reservation(NamedTuple):
+    """Memory of a remote request for its transfer: its blocks and slot. The first
+    `shared_blocks` blocks hold the start of its prompt already (prefix-cache blocks,
+    shared read-only): the transfer must skip them."""
+    request_id: str
+    block_ids: list[int]
+    slot: int
+    shared_blocks: int
 
 
 class Engine:
@@ -142,10 +153,10 @@ class Engine:
         self._append_token(req, first_token, None, time.perf_counter())
         return req.request_id
 
-    def reserve_transfers(self) -> list[tuple[str, list[int], int]]:
-        """`(request_id, block_ids, slot)` of queued remote requests that memory was
-        reserved for now, in arrival order, for their transfers to fill."""
-        return [(r.request_id, list(r.block_ids), r.slot)
+    def reserve_transfers(self) -> list[Reservation]:
+        """The memory reserved now for queued remote requests, in arrival order, for their
+        transfers to fill (all but the first `shared_blocks` blocks: see `Reservation`)."""
+        return [Reservation(r.request_id, list(r.block_ids), r.slot, r.num_registered_blocks)
                 for r in self.scheduler.reserve_transfers()]
 
     def finish_transfer(self, request_id: str, ok: bool = True) -> None:

@@ -40,6 +40,12 @@ from serving.engine.block_pool import BlockPool
 from serving.engine.request import Request
 
 
+def block_key(prev: bytes, tokens) -> bytes:
+    """The key of a block of `tokens` whose prefix has key `prev` (the chain's seed for the
+    first block)."""
+    return hashlib.blake2b(prev + np.asarray(tokens, np.int32).tobytes(), digest_size=16).digest()
+
+
 def model_identity(*parts) -> bytes:
     """The seed of every hash chain: prefixes of different models or dtypes never match."""
     return hashlib.blake2b(repr(parts).encode(), digest_size=16).digest()
@@ -107,8 +113,7 @@ class PrefixCache:
         n = min(num_tokens, req.num_known_tokens) // bs
         for j in range(len(have), n):
             prev = have[-1] if have else self.identity
-            toks = np.asarray(req.token_slice(j * bs, (j + 1) * bs), np.int32)
-            have.append(hashlib.blake2b(prev + toks.tobytes(), digest_size=16).digest())
+            have.append(block_key(prev, req.token_slice(j * bs, (j + 1) * bs)))
         return have[:n]
 
     # ---- lookup --------------------------------------------------------------
@@ -130,6 +135,19 @@ class PrefixCache:
                 self.blocks.touch(found[:j])
                 return found[:j], row
         return [], None
+
+    def match_blocks(self, req: Request, num_tokens: int) -> list[int]:
+        """The cached blocks that hold the start of `req`'s first `num_tokens` tokens, with
+        `req` added as their owner: for a request whose state arrives by a transfer (the
+        decode side), which needs no snapshot and pulls only the blocks after these."""
+        found = []
+        for key in self.keys(req, num_tokens):
+            b = self._block.get(key)
+            if b is None:
+                break
+            found.append(b)
+        self.blocks.touch(found)
+        return found
 
     def count(self, num_queried: int, num_hit: int) -> None:
         self.queries += num_queried

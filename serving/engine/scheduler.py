@@ -102,6 +102,11 @@ class Scheduler:
             self.queued_transfers.remove(req)
         elif req.status is Status.RUNNING:
             self.running.remove(req)
+            if self.prefix is not None:
+                # blocks whose last token a step in flight wrote, unknown when it was
+                # scheduled and known now: registered before the memory goes back
+                self.prefix.stage_blocks(req, req.num_computed_tokens)
+                self.prefix.commit()
         req.finish_reason, req.stop_reason = reason, stop_reason
         transferring = req.status is Status.WAITING_FOR_TRANSFER
         req.status = Status.FINISHED
@@ -147,14 +152,23 @@ class Scheduler:
         will be written by a transfer. The memory comes from the pool, which
         only ever holds memory that no dispatched step can still write, and the
         request is not scheduled until `end_transfer`, so no step touches the
-        memory while the transfer fills it. False if there is no room now."""
-        need = self._blocks_for(req.num_prompt_tokens)
-        if self.slots.num_free == 0 or self.blocks.num_free < need:
+        memory while the transfer fills it. With a prefix cache the prompt's first blocks
+        may be cached ones, shared read-only: the transfer skips them
+        (`num_registered_blocks` of them). False if there is no room now."""
+        if self.slots.num_free == 0:
             return False
         if len(self.running) + len(self.transferring) >= self.max_num_seqs:
             return False
+        # blocks of the prompt cached here are shared, and the transfer skips them
+        shared = [] if self.prefix is None else self.prefix.match_blocks(req, req.num_prompt_tokens)
+        need = self._blocks_for(req.num_prompt_tokens) - len(shared)
+        if self.blocks.num_free < need:
+            if shared:
+                self.blocks.free(shared)
+            return False
         req.slot = self.slots.allocate()
-        req.block_ids = self.blocks.allocate(need)
+        req.block_ids = shared + self.blocks.allocate(need)
+        req.num_registered_blocks = len(shared)
         req.status = Status.WAITING_FOR_TRANSFER
         self.transferring[req.request_id] = req
         return True
@@ -164,6 +178,12 @@ class Scheduler:
         del self.transferring[req.request_id]
         if req.is_finished:  # aborted while the transfer was writing
             self.release(req)
+            return
+        if not ok and req.num_registered_blocks:
+            # shared blocks are never written: recompute in fresh memory (after the
+            # prefix cache's hit, as any admission)
+            self.release(req)
+            self._requeue(req)
             return
         # On failure the prompt is recomputed in the same memory: start_pos 0
         # never reads the slot and the KV is rewritten, so nothing is zeroed.

@@ -80,7 +80,9 @@ class WorkerBase:
         # source's ack, during which the request's outputs are held
         self.counters = {"transfers": 0, "transfer_bytes": 0, "transfer_seconds": 0.0,
                          "transfer_ack_seconds": 0.0, "transfer_descriptors": 0,
-                         "transfer_failures": 0, "leases_expired": 0}
+                         "transfer_failures": 0, "leases_expired": 0,
+                         # prompt tokens a pull skipped: this side's prefix cache held them
+                         "transfer_cached_tokens": 0}
         self.engine = AsyncEngine(engine, max_queued_requests=max_queued_requests,
                                   tick=self._tick, on_stop=self._on_stop)
         self.progress = ProgressThread(self.transfer, on_ready=self.engine.wake)

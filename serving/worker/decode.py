@@ -16,8 +16,10 @@ A request's way through (``DecodeWorker``):
    by ``--max-queued-requests``) instead of refusing them, and the claim keeps the lease
    alive meanwhile.
 3. ``_tick`` (engine thread, between steps): memory reserved for a queued request starts
-   its pull, READing exactly the claimed items (``kv_transfer.pull_items``); a landed
-   READ lets the request decode, and its outputs wait until the source acks.
+   its pull, READing exactly the claimed items (``kv_transfer.pull_items``) but the
+   prompt blocks this side's prefix cache holds (a follow-up turn pulls only what is
+   new, and the state); a landed READ lets the request decode, and its outputs wait
+   until the source acks.
 
 A failed or timed-out transfer ends the request with an error, or recomputes the prompt
 locally with ``--on-transfer-failure recompute``. A client that disconnects aborts its
@@ -151,7 +153,7 @@ class DecodeWorker(WorkerBase):
     def _start_pulls(self, eng) -> None:
         """Pulls into the memory reserved for queued requests now; claims of queued
         requests that were aborted meanwhile are given up."""
-        for request_id, blocks, slot in eng.reserve_transfers():
+        for request_id, blocks, slot, shared in eng.reserve_transfers():
             self._queued.discard(request_id)
             claim = self._claims.pop(request_id, None)
             if claim is None:  # its caller went away: the abort follows
@@ -160,7 +162,8 @@ class DecodeWorker(WorkerBase):
                 continue
             n = len(eng.requests[request_id].prompt_token_ids)
             try:
-                remote, local = pull_items(claim.meta.get("cache"), self.layout, blocks, slot, n)
+                remote, local = pull_items(claim.meta.get("cache"), self.layout, blocks, slot, n,
+                                           skip_blocks=shared)
                 self._settle(eng)
                 pull_id = self.transfer.pull(claim, local, timeout=self.transfer_timeout,
                                              remote_items=remote)
@@ -170,6 +173,7 @@ class DecodeWorker(WorkerBase):
                 eng.finish_transfer(request_id, ok=False)
                 continue
             self._pulls[pull_id] = request_id
+            self.counters["transfer_cached_tokens"] += shared * self.layout.block_size
         for request_id in [r for r in self._queued if r not in eng.requests]:  # aborted
             self._queued.discard(request_id)
             claim = self._claims.pop(request_id, None)

@@ -56,7 +56,8 @@ class PrefillWorker(WorkerBase):
             await self.engine.call(lambda eng: eng.release(request_id))
         return PrefillResult(token_ids=list(out.token_ids), logprobs=out.logprobs,
                              finish_reason=None if goes_on else out.finish_reason,
-                             stop_reason=out.stop_reason, transfer=ticket)
+                             stop_reason=out.stop_reason, transfer=ticket,
+                             num_cached_tokens=out.num_cached_tokens)
 
     def _pin(self, eng, request_id: str, prompt: list[int], first_token: int) -> Ticket:
         req = eng.requests[request_id]
