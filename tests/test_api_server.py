@@ -340,6 +340,31 @@ def test_metrics(server, client):
     assert values["vllm:compiles_during_serving_total" + label] == 0
 
 
+def test_a_repeated_prompt_reports_its_cached_tokens(server, client):
+    """Prefix caching is on by default: a 40-token prompt again, with another ending, finds
+    its first two 16-token blocks cached, says so in usage and in the vLLM counters, and
+    gives the same greedy text as before."""
+    def hits():
+        text = httpx.get(server.url + "/metrics").text
+        return {k: float(line.split(" ")[1]) for line in text.splitlines()
+                for k in ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")
+                if line.startswith(k + "{")}
+
+    prompt = list(range(100, 140))
+    before = hits()
+    first = complete(client, prompt=prompt, temperature=0, max_tokens=6)
+    again = complete(client, prompt=prompt, temperature=0, max_tokens=6)
+    longer = complete(client, prompt=prompt + [7, 8], temperature=0, max_tokens=6)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == 32
+    assert longer.usage.prompt_tokens_details.cached_tokens == 32
+    assert again.choices[0].text == first.choices[0].text
+    after = hits()
+    assert after["vllm:prefix_cache_hits_total"] - before["vllm:prefix_cache_hits_total"] == 64
+    assert (after["vllm:prefix_cache_queries_total"]
+            - before["vllm:prefix_cache_queries_total"]) == 40 + 40 + 42
+
+
 def test_a_prompt_being_tokenized_stalls_no_other_request(server, client, monkeypatch):
     """Tokenizing runs on a worker thread: while one request's prompt is being tokenized
     (held here until the others are answered), /health and another completion are

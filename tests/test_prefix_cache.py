@@ -101,6 +101,21 @@ def test_a_prompt_of_whole_blocks_repeated_computes_its_last_block():
         eng.close()
 
 
+def test_the_second_prompt_off_a_shared_prefix_leaves_a_snapshot_where_they_part():
+    """Snapshots every 8 blocks: a prompt of 5 shared blocks and its own tail leaves none
+    at block 5, so the second prompt off the same 5 blocks matches them but restores
+    nothing; its prefill takes one where it parts from the first, and the third hits
+    all 5 blocks."""
+    eng = make_engine(True, prefix_state_interval=8, num_prefix_snapshots=6)
+    try:
+        shared = tokens(20, seed=11)
+        outs = [run(eng, [shared + tokens(7, seed=12 + i)])[0] for i in range(3)]
+        assert [o.num_cached_tokens for o in outs] == [0, 0, 20]
+        assert_all_free(eng)
+    finally:
+        eng.close()
+
+
 def test_concurrent_sharing_with_preemption_and_aborts(engine):
     """Three system prompts, 60 requests in waves over a pool small enough to preempt, a
     sixth of them aborted at random points: the others are exact, the aborted ones a

@@ -120,7 +120,10 @@ class PrefixCache:
 
     def match(self, req: Request) -> tuple[list[int], int | None]:
         """The cached blocks and the snapshot row of `req`'s longest hit (see the module
-        docstring); the blocks gain `req` as an owner. ([], None) for no hit."""
+        docstring); the blocks gain `req` as an owner. ([], None) for no hit. Where more
+        of its blocks are cached than the hit covers, `req` diverges from a cached prompt
+        at the end of those blocks: its prefill takes a snapshot there
+        (`req.divergence`), so the next prompt sharing that prefix hits all of it."""
         limit = (req.num_tokens - 1) // self.block_size  # leave a token to compute
         keys = self.keys(req, limit * self.block_size)
         found = []
@@ -129,6 +132,7 @@ class PrefixCache:
             if b is None:
                 break
             found.append(b)
+        req.divergence = len(found) * self.block_size if found else None
         for j in range(len(found), 0, -1):
             row = self.rows.get(keys[j - 1])
             if row is not None:
@@ -165,12 +169,14 @@ class PrefixCache:
 
     def snapshot_points(self, req: Request, start: int, num_tokens: int) -> list[int]:
         """Block boundaries L in (start, start + num_tokens] a prefill chunk passes and
-        whose state is worth a snapshot, the request's last ones first."""
+        whose state is worth a snapshot: the request's last ones and where it diverges
+        from a cached prompt first, then every `interval` blocks, the latest first."""
         bs = self.block_size
         known = req.num_known_tokens
         hi = min(start + num_tokens, known) // bs
         lo = start // bs + 1
-        ends = {j for j in ((known - 1) // bs, known // bs) if lo <= j <= hi}
+        marks = ((known - 1) // bs, known // bs) + ((req.divergence // bs,) if req.divergence else ())
+        ends = {j for j in marks if lo <= j <= hi}
         every = [j for j in range(hi, lo - 1, -1) if j % self.interval == 0 and j not in ends]
         keys = self.keys(req, hi * bs)
         return [j * bs for j in sorted(ends, reverse=True) + every

@@ -46,10 +46,11 @@ class Request:
     hold_on_finish: bool = False  # keep memory for a transfer lease after finishing
     # prefix caching (prefix_cache.py): the keys of the full blocks of known tokens,
     # how many of block_ids are registered under them, the prompt tokens the first
-    # admission found cached
+    # admission found cached, the end of the cached blocks it matched
     block_keys: list[bytes] = field(default_factory=list)
     num_registered_blocks: int = 0
     num_cached_tokens: int | None = None
+    divergence: int | None = None  # where its prompt leaves the longest cached one
 
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
