@@ -110,6 +110,17 @@ def stop_server(proc: subprocess.Popen) -> None:
             continue
 
 
+def server_role(url: str) -> str:
+    """"aggregated" for one engine, else "disaggregated": the roles its
+    ``vllm:device_busy_seconds`` counter names (a router names its workers' roles)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    roles = {s.labels.get("role") for fam in text_string_to_metric_families(text)
+             if fam.name == "vllm:device_busy_seconds" for s in fam.samples}
+    return "aggregated" if roles == {"aggregated"} else "disaggregated"
+
+
 def served_model(url: str) -> tuple[str, int]:
     """The served model's name and context length."""
     card = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]
@@ -216,7 +227,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--num-prefixes", type=int, default=4,
                    help="prefix dataset: distinct shared prefixes, drawn in turn")
     p.add_argument("--prefix-caching", choices=["on", "off", "both"], default="on",
-                   help="both: run each server with caching on, then off")
+                   help="both: run each server with caching on, then off; with --base-url, "
+                        "how the server runs (a label)")
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="requests/s, Poisson arrivals (default inf: all at once, each "
                         "waiting for a free place under --concurrency)")
@@ -274,8 +286,11 @@ def main(argv=None) -> None:
     caching = {"on": [True], "off": [False], "both": [True, False]}[args.prefix_caching]
     try:
         if args.base_url:
+            if args.prefix_caching == "both":
+                raise SystemExit("--prefix-caching both restarts the servers it starts; with "
+                                 "--base-url say on or off, as the server runs")
             url, num_gpus = args.base_url.rstrip("/"), args.num_gpus or 1
-            run_mode("disaggregated", url, args, num_gpus, roof, rows)
+            run_mode(_mode(server_role(url), caching[0]), url, args, num_gpus, roof, rows)
         else:
             stack, _ = stack_parser().parse_known_args(["--model", args.model, *server_flags])
             num_gpus = args.num_gpus or stack.prefill_workers + stack.decode_workers

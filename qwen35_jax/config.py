@@ -302,6 +302,19 @@ class Qwen35Config:
         with open(path) as f:
             return cls.from_dict(json.load(f), name=os.path.basename(os.path.dirname(path)) or path)
 
+    def with_overrides(self, overrides: Mapping[str, Any]) -> "Qwen35Config":
+        """This config with HF text-config fields replaced (vLLM's ``--hf-overrides``), read
+        by the same rules as a checkpoint's config: fewer ``num_hidden_layers`` of the
+        same shapes, say, for a model that must fit beside another on one device. A new
+        layer count without ``layer_types`` keeps the every-fourth-layer pattern."""
+        d = self.to_hf_text_dict()
+        if "num_hidden_layers" in overrides and "layer_types" not in overrides:
+            del d["layer_types"]
+        d.update(eos_token_id=list(self.eos_token_ids), **overrides)
+        cfg = Qwen35Config._from_text_dict(d, f"{self.name} with {dict(overrides)}")
+        return dataclasses.replace(cfg, name=self.name, eos_token_ids=(
+            cfg.eos_token_ids if "eos_token_id" in overrides else self.eos_token_ids))
+
     def to_hf_text_dict(self) -> dict:
         """The flat HF text-config dict of this config (for building reference models)."""
         d = dict(

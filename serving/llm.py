@@ -30,16 +30,23 @@ def default_dtype():
     return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
 
 
-def model_config(model: str):
-    """The config of a checkpoint directory or a preset name, read without weights."""
+def model_config(model: str, hf_overrides: dict | None = None):
+    """The config of a checkpoint directory or a preset name, read without weights;
+    ``hf_overrides`` (HF config fields) apply to presets, whose weights are random."""
     import qwen35_jax
     from qwen35_jax.config import Qwen35Config
 
     model = builtin.resolve(model)
-    return Qwen35Config.from_json(model) if os.path.isdir(model) else qwen35_jax.get_preset(model)
+    if os.path.isdir(model):
+        if hf_overrides:
+            raise ValueError(f"hf_overrides apply to presets (random weights), not to the "
+                             f"checkpoint {model}, whose weights fix its shapes")
+        return Qwen35Config.from_json(model)
+    cfg = qwen35_jax.get_preset(model)
+    return cfg.with_overrides(hf_overrides) if hf_overrides else cfg
 
 
-def load_model(model, dtype, seed, mesh=None):
+def load_model(model, dtype, seed, mesh=None, hf_overrides=None):
     """A model object as given (placed on ``mesh`` if one is given), a checkpoint
     directory or built-in checkpoint, or a preset name (random weights), loaded straight
     into ``mesh``'s layout."""
@@ -48,10 +55,13 @@ def load_model(model, dtype, seed, mesh=None):
 
     model = builtin.resolve(model)
     if not isinstance(model, str):
+        if hf_overrides:
+            raise ValueError("hf_overrides apply to a preset name, not to a model object")
         return model if mesh is None else shard_model(model, mesh)
+    cfg = model_config(model, hf_overrides)
     if os.path.isdir(model):
-        return qwen35_jax.from_pretrained(model, dtype=dtype, mesh=mesh)
-    return qwen35_jax.init_random(qwen35_jax.get_preset(model), seed=seed, dtype=dtype, mesh=mesh)
+        return qwen35_jax.from_pretrained(model, dtype=dtype, mesh=mesh, config=cfg)
+    return qwen35_jax.init_random(cfg, seed=seed, dtype=dtype, mesh=mesh)
 
 
 def _load_tokenizer(tokenizer, model):
@@ -66,13 +76,14 @@ def _load_tokenizer(tokenizer, model):
 
 
 class LLM:
-    def __init__(self, model, *, tokenizer=None, dtype=None, seed: int = 0, **engine_kwargs):
+    def __init__(self, model, *, tokenizer=None, dtype=None, seed: int = 0,
+                 hf_overrides: dict | None = None, **engine_kwargs):
         if dtype is None:
             dtype = default_dtype()
         engine_kwargs.setdefault("seed", seed)
         config = EngineConfig(**engine_kwargs)
         mesh = config.mesh()
-        self.model = load_model(model, dtype, seed, mesh)
+        self.model = load_model(model, dtype, seed, mesh, hf_overrides)
         self.tokenizer = _load_tokenizer(tokenizer, model)
         cfg = self.model.config
         if "eos_token_ids" not in engine_kwargs:

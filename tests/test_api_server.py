@@ -340,6 +340,12 @@ def test_metrics(server, client):
     assert values["vllm:compiles_during_serving_total" + label] == 0
 
 
+def test_bench_labels_it_aggregated(server):
+    from bench.disagg import server_role
+
+    assert server_role(server.url) == "aggregated"
+
+
 def test_a_repeated_prompt_reports_its_cached_tokens(server, client):
     """Prefix caching is on by default: a 40-token prompt again, with another ending, finds
     its first two 16-token blocks cached, says so in usage and in the vLLM counters, and

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -91,3 +92,20 @@ def test_bad_configs_are_refused(mutate, match):
 def test_missing_config_file(tmp_path):
     with pytest.raises(ConfigError, match="no config.json"):
         Qwen35Config.from_json(tmp_path)
+
+
+def test_hf_overrides_keep_the_shapes_and_the_layer_pattern():
+    """vLLM's --hf-overrides on a preset: 35B-A3B at 20 layers keeps every width, the
+    every-fourth-layer attention pattern and the EOS ids; bad fields are refused as in a
+    checkpoint's config, and a checkpoint's shapes cannot be overridden."""
+    from serving.llm import model_config
+
+    full = get_preset("35B-A3B")
+    half = model_config("35B-A3B", {"num_hidden_layers": 20})
+    assert half.num_hidden_layers == 20 and half.layer_types == full.layer_types[:20]
+    assert dataclasses.replace(half, num_hidden_layers=40, layer_types=full.layer_types) == full
+    assert model_config("tiny", {"num_hidden_layers": 4}).eos_token_ids == (1, 0)
+    with pytest.raises(ConfigError, match="unknown config fields"):
+        model_config("tiny", {"num_layers": 4})
+    with pytest.raises(ValueError, match="presets"):
+        model_config("tiny-math", {"num_hidden_layers": 4})

@@ -17,7 +17,7 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.disagg import CPU_ENGINE_FLAGS  # test_bench_disagg's programs: in the session's cache
+from bench.disagg import CPU_ENGINE_FLAGS, server_role  # test_bench_disagg's programs: in the session's cache
 from serving.ports import free_port
 
 
@@ -58,6 +58,7 @@ def test_completion_and_chat_through_the_router(server):
         model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5,
         stream=True, stream_options={"include_usage": True}))
     assert chunks[-1].usage.completion_tokens >= 1
+    assert server_role(url) == "disaggregated"  # what bench.disagg --base-url labels it
     # The router reads the workers' counters on its 1 s health poll.
     end = time.monotonic() + 30
     while True:

@@ -10,6 +10,7 @@ a CPU the unset limits default to small values (8 sequences, 64-token steps,
 """
 
 import argparse
+import json
 import logging
 import os
 
@@ -33,6 +34,16 @@ def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(","))
 
 
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("want a JSON object of config fields")
+    return value
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m serving.api", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -44,6 +55,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="default: --model")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--hf-overrides", type=_json_object, default=None, metavar="JSON",
+                   help="HF config fields over a preset's (random weights), as vLLM's: "
+                        "'{\"num_hidden_layers\": 20}' keeps 35B-A3B's shapes at half its depth")
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
                    help="default: bfloat16 on accelerators, float32 on CPU")
     p.add_argument("--seed", type=int, default=0)
@@ -125,7 +139,8 @@ def build(args) -> tuple:
         raise SystemExit("give a model: a checkpoint directory or a preset name")
     tokenizer = Tokenizer(find_tokenizer(model, args.tokenizer))
     dtype = {"bfloat16": jax.numpy.bfloat16, "float32": jax.numpy.float32}.get(args.dtype)
-    llm = LLM(model, tokenizer=tokenizer, dtype=dtype, seed=args.seed, **engine_kwargs(args))
+    llm = LLM(model, tokenizer=tokenizer, dtype=dtype, seed=args.seed,
+              hf_overrides=args.hf_overrides, **engine_kwargs(args))
     engine = AsyncEngine(llm.engine, max_queued_requests=args.max_queued_requests)
     name = args.served_model_name or model
     path = builtin.resolve(model)

@@ -123,7 +123,8 @@ class WorkerBase:
         self.transfer.close()
 
 
-def param_bytes(model: str, dtype: str, ep: int = 1, tp: int = 1) -> int:
+def param_bytes(model: str, dtype: str, ep: int = 1, tp: int = 1,
+                hf_overrides: dict | None = None) -> int:
     """Bytes of the model's weights that one device of the engine's ``(1, ep, tp)`` mesh
     holds, from the shapes and ``qwen35_jax.sharding``'s table (nothing is allocated and
     no device is asked: JAX's GPU client must not start before ``size_xla_pool``)."""
@@ -132,7 +133,7 @@ def param_bytes(model: str, dtype: str, ep: int = 1, tp: int = 1) -> int:
     import qwen35_jax
     from qwen35_jax.sharding import AXES, param_shardings
 
-    cfg = model_config(model)
+    cfg = model_config(model, hf_overrides)
     state = nnx.state(qwen35_jax.abstract_model(cfg, jnp.dtype(dtype)))
     shardings = param_shardings(cfg, state, jax.sharding.AbstractMesh((1, ep, tp), AXES))
     return sum(math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
