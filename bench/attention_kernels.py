@@ -107,7 +107,7 @@ def _arow(shape, impl, ms, flops=None, nbytes=None, extra=None):
     return r
 
 
-# Changes against the tuning table's sm90 entry (run 1's sweep is in bench/RESULTS.md).
+# Changes against the tuning table's sm90 entry (the sweep's figures: bench/RESULTS.md).
 ATTN_PREFILL_VARIANTS = [None, dict(bk=32, stages=4), dict(bk=32, stages=5), dict(warps=16),
                          dict(bm=256, bk=32, warps=16), dict(bm=256, warps=16, stages=2)]
 ATTN_DECODE_VARIANTS = [None, dict(splits=1), dict(bk=32, stages=3), dict(min_programs=528),

@@ -410,8 +410,9 @@ def decode_bench(quick, variants, use_fla):
             shape = f"N{N} Hv{Hv} state {jnp.dtype(sdt).name}"
             cfgs = [None] if DECODE_CFGS is None else DECODE_CFGS
             if variants and si == 0 and DECODE_CFGS is None:
-                # bv 8 was the slowest at every warp count in run 3 (one warp is left
-                # out to keep the sweep short); the state width's default is the None entry
+                # bv 8 is the slowest at every warp count (bench/RESULTS.md, "GDN
+                # kernels": decode), so the sweep leaves it out; the state width's
+                # default is the None entry
                 default = gdn_decode_config(dv, sdt)
                 cfgs = [None] + [dict(bv=b, warps=w) for b in (16, 32, 64, 128)
                                  for w in (2, 4, 8) if (b, w) != (default["bv"], default["warps"])]

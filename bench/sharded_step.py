@@ -168,8 +168,8 @@ def main(argv=None) -> dict:
                       for n in a.seqs}
     runs = []
     # float32 compares meshes: XLA's float32 GEMMs default to TF32 on the GPU, whose
-    # rounding differs with the split (2 of 8 EP2 requests differed from the 8th token
-    # on, bench/RESULTS.md); IEEE products leave only the order of the sums
+    # rounding differs with the split enough to change greedy tokens (bench/RESULTS.md,
+    # sharded workers); IEEE products leave only the order of the sums
     precision = "highest" if a.dtype == "float32" else None
     with default_backend(a.backend), jax.default_matmul_precision(precision):
         for spec in a.meshes:

@@ -27,7 +27,7 @@ import jax
 
 from .tuning import gpu_arch, _family
 
-# Filled from bench/kernels.py measurements (bench/RESULTS.md).  Per op and
+# The faster backend in bench/kernels.py's timings (bench/RESULTS.md).  Per op and
 # architecture family: which backend "auto" takes on that GPU.
 BEST_GPU_BACKEND = {
     "gdn_prefill": {"sm90": "pallas", "sm100": "pallas"},

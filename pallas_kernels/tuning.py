@@ -29,12 +29,11 @@ _PREFILL_BASE = dict(bv=32, intra_warps=4, intra_stages=2, main_warps=4, main_st
                      inverse="block32", mode="wu", m_dtype="bfloat16", main="triton",
                      bv_mgpu=64)
 GDN_PREFILL = {
-    # H200 2026-12-01 (bench/RESULTS.md, prefill runs 5 and 8): the Mosaic GPU pair 1.20
-    # ms against 1.69 ms for the best Triton pair (block32 + wu + bv 32, best of 14 on
-    # 2026-11-30) at 1x8192 Hk16 Hv64 (run 5), 0.419 ms device time since (run 8); the
-    # Triton keys stay for float32 inputs
+    # H200: the Mosaic GPU pair is faster than the best Triton pair (block32 + wu +
+    # bv 32) at 1x8192 Hk16 Hv64 (bench/RESULTS.md, "GDN kernels": prefill); the
+    # Triton keys serve float32 inputs and calls with snapshots
     "sm90": dict(_PREFILL_BASE, main="mgpu"),
-    # Blackwell: not measured yet; the Hopper entry without the wgmma kernels
+    # Blackwell: unmeasured; the Hopper entry without the wgmma kernels
     "sm100": dict(_PREFILL_BASE),
     "default": dict(_PREFILL_BASE),
 }
@@ -43,13 +42,10 @@ GDN_PREFILL = {
 # the two sums over dk as one tensor-core product (16-bit states only); programs_per_sm:
 # a grid of that many programs an SM, each looping over its rows so that Triton
 # prefetches the next row's tile (None: a program a row).
-# H200: fp32 bv 64 / 4 warps best of 12 (bench/RESULTS.md, run 3: 83-85 % of a
-# pool-sized copy in decode run 4; the loop gains nothing there, decode run 7); bf16
-# with the product, bv 128 / 4 warps best of 5 (decode run 5), again with the product
-# transposed and the update packed (decode run 6: bv 64 and 8 warps 5-9 points
-# behind), and the loop (decode run 7: 79-85 % against 77-81 %) at 3 programs an SM
-# (3 CTAs an SM once the tile's load has its own index) with 2 stages (decode run 8:
-# 83-90 %)
+# H200 (bench/RESULTS.md, "GDN kernels": decode): fp32 states take bv 64 / 4 warps, the best
+# tile, at 83-85 % of a pool-sized copy, where the row loop gains nothing; bf16 states
+# take the product (transposed, the update packed) at bv 128 / 4 warps, ahead of bv 64
+# and 8 warps, and the row loop at 3 programs an SM with 2 stages, 83-90 % of the copy
 _DECODE = {4: dict(bv=64, warps=4, stages=2, mma=False, programs_per_sm=None),
            2: dict(bv=128, warps=4, stages=2, mma=True, programs_per_sm=3)}
 GDN_DECODE = {"sm90": _DECODE, "sm100": _DECODE, "default": _DECODE}
@@ -72,11 +68,11 @@ _ATTN_PREFILL = dict(bm=128, bk=64, warps=8, stages=3, f32=dict(bm=64, bk=32, st
 _ATTN_DECODE = dict(bk=64, warps=4, stages=2, min_programs=264, max_splits=16,
                     f32=dict(bk=32))
 ATTENTION = {
-    # H200 2026-11-30 (bench/RESULTS.md, paged attention runs 1-2): prefill
-    # 3 stages best of 12 (1x8192: 1.77-1.82 ms, ~305 TFLOP/s); decode: bk 32 with
-    # 3-4 stages gains 10-15 % on long contexts but loses 2x at N64 ctx 1024
+    # H200 (bench/RESULTS.md, "Paged attention"): prefill at 3 stages is the best tile
+    # (~305 TFLOP/s at 1x8192); decode keeps bk 64: bk 32 with 3-4 stages gains 10-15 %
+    # on long contexts but is 2x slower at 64 sequences of 1024 tokens
     "sm90": dict(prefill=dict(_ATTN_PREFILL), decode=dict(_ATTN_DECODE)),
-    # Blackwell: not measured yet; starts from the Hopper entry
+    # Blackwell: unmeasured; the Hopper entry
     "sm100": dict(prefill=dict(_ATTN_PREFILL), decode=dict(_ATTN_DECODE)),
     # CPU interpret mode: small tiles so the tests walk several key tiles
     "default": dict(prefill=dict(bm=32, bk=16, warps=4, stages=2),
@@ -90,14 +86,12 @@ ATTENTION = {
 _GMM_DECODE = dict(bm=16, bn=128, bk=64, warps=4, stages=3)
 _GMM_MID = dict(bm=64, bn=128, bk=64, warps=4, stages=3)
 GROUPED_MATMUL = {
-    # H200 (bench/RESULTS.md, issue 8): 16-row tiles within 10 % of the best of 8 tiles
-    # up to 2048 rows (256 sequences x top-8), 0.30 against Mosaic's 0.37 ms (2048 ->
-    # 1024) at 2048 rows; 64-row tiles from 4096 rows; Mosaic above 8192 rows (measured
-    # at 16384 rows, 2026-12-01, both reading the layer stack in place: 0.42 against
-    # 0.54 ms for 2048 -> 1024, 0.31 against 0.30 for 512 -> 2048; at 65536 rows 0.77
-    # against 1.72 and 0.62 against 0.92)
+    # H200 (bench/RESULTS.md, the Mosaic grouped matmul): 16-row tiles are within 10 % of the
+    # best tile up to 2048 rows (256 sequences x top-8) and ahead of Mosaic there;
+    # 64-row tiles from 4096 rows; the Mosaic kernel, reading the layer stack in place,
+    # is faster above 8192 rows (2.2x at 65536)
     "sm90": dict(tiles=((2048, _GMM_DECODE), (None, _GMM_MID)), mgpu_above=8192),
-    # Blackwell: not measured yet; the Hopper entry without the wgmma kernel
+    # Blackwell: unmeasured; the Hopper entry without the wgmma kernel
     "sm100": dict(tiles=((2048, _GMM_DECODE), (None, _GMM_MID)), mgpu_above=None),
     # CPU interpret mode: small tiles so the tests walk several row and K tiles
     "default": dict(tiles=((None, dict(bm=16, bn=16, bk=16, warps=4, stages=2)),),
@@ -111,9 +105,9 @@ GROUPED_MATMUL = {
 # 256 x 64 float32 is 128 registers a thread at 4 warps).
 _LAYER_MM_GPU = dict(bn=64, bk=64, warps=4, stages=3, min_programs=132, max_rows=256)
 LAYER_MATMUL = {
-    # H200 2026-12-01 (bench/RESULTS.md, issue 8): none of 6 other tiles better by more
-    # than 8 % (in_proj_qkv, 16 to 128 rows). At 256 rows the small shared-expert
-    # shapes run faster sliced (0.014 against 0.017 ms); the large ones in place.
+    # H200 (bench/RESULTS.md, dense weights read in place): no other tile is more than 8 %
+    # faster (in_proj_qkv, 16 to 128 rows); at 256 rows the small shared-expert shapes
+    # run faster sliced, the large ones in place.
     "sm90": dict(_LAYER_MM_GPU),
     "sm100": dict(_LAYER_MM_GPU),
     # CPU interpret mode: small tiles so the tests walk several column tiles and splits

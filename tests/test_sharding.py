@@ -36,7 +36,8 @@ MODEL_MESHES = {
     "tiny": ["dp2", "tp2", "dp2,tp2"],
     "tiny-moe": ["dp2", "ep2", "ep4", "tp2", "dp2,ep2", "ep2,tp2"],
 }
-# Heads split (the two-GPU TP2 run of issue 7), beside the expert split, and TP4, where
+# Heads split (TP2, as the sharded workers run on two GPUs) beside the expert split, and
+# TP4, where
 # tiny-moe's 2 KV heads and 2 GDN key heads do not divide: every device runs all attention
 # heads, and each GDN value head gets its own copy of its key head.
 KERNEL_MESHES = ["tp2", "ep2,tp2", "tp4"]

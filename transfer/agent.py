@@ -64,16 +64,16 @@ class Agent:
         # ~10 % of a core per idle agent. Without it UCX advances only inside our NIXL
         # calls, so both sides must call ``TransferManager.progress()`` regularly, also
         # when idle (a peer may READ at any time); the workers' ``transfer.progress``
-        # threads do, every millisecond while a lease or pull is open. READs then complete as
-        # fast (measured 2026-11-30, CPU, 64 MiB). On GPU a bare READ did not complete
-        # without the thread (2×H200, same day), so VRAM agents keep it by default.
+        # threads do, every millisecond while a lease or pull is open, and DRAM READs
+        # complete as fast as with the thread. On GPU a READ does not complete without
+        # the thread (bench/RESULTS.md, "Transfer"), so VRAM agents keep it by default.
         if progress_thread is None:
             progress_thread = self.mem_type == "VRAM"
         if self.mem_type == "VRAM":
             # UCX's cuda_ipc offers zero-copy GET (our READ) only where NVML reports active
             # NVLinks on GPU 0 (``uct_cuda_ipc_iface_get_max_get_zcopy``); elsewhere, e.g.
-            # prefill and decode processes on one H200, the READ fell back to software
-            # emulation over TCP at 0.5 GB/s. Forced on, the same READ ran at copy speed
+            # prefill and decode processes on one H200, the READ falls back to software
+            # emulation over TCP at 0.5 GB/s. Forced on, the same READ runs at copy speed
             # (bench/RESULTS.md, "Transfer", one H200). UCX reads it when the agent's context
             # starts; a value already in the environment wins.
             os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")

@@ -472,11 +472,10 @@ def _decode_kernel(slots_ref, q_ref, k_ref, v_ref, g_ref, b_ref, pool_in_ref,
                    mma, packed):
     """Rows [r0, r0 + rows) of one value head and V tile. With more than one row a
     program the rows are a loop, which Triton software-pipelines: the next row's tile is
-    copied into shared memory (cp.async) while this one's is updated (bench/RESULTS.md,
-    decode run 7)."""
+    copied into shared memory (cp.async) while this one's is updated
+    (bench/RESULTS.md, "GDN kernels": decode)."""
     del pool_in_ref  # aliased with pool_ref
     # heads vary fastest: programs launched together read one slot's contiguous heads
-    # (bench/RESULTS.md, decode run 6)
     h = pl.program_id(0)
     r0 = pl.program_id(1) * rows
     iv = pl.program_id(2)
@@ -490,11 +489,10 @@ def _decode_kernel(slots_ref, q_ref, k_ref, v_ref, g_ref, b_ref, pool_in_ref,
         valid = inside & (slot >= 0) & (slot < n_slots)
         sc = jnp.where(valid, slot, 0)
         # Loads first, the tile's above all: the normalisation synchronises the warps,
-        # and the tile's loads, written after it, were issued only once it was done
-        # (bench/RESULTS.md, decode run 6). The load has its own index, the slot
-        # clamped into the pool (a padding row's tile is read and dropped), so the loop
-        # does not carry its pointers to the store: 154 registers a thread, 3 CTAs an
-        # SM where the store's index held 2 (decode run 8).
+        # and loads written after it are issued only once it is done. The load has its
+        # own index, the slot clamped into the pool (a padding row's tile is read and
+        # dropped), so the loop does not carry its pointers to the store: 154 registers
+        # a thread, 3 CTAs an SM, where sharing the store's index allows 2.
         S = pool_ref[jnp.clip(slot, 0, n_slots - 1), h, :, pl.ds(v0, bv)]  # [dk, bv]
         q = q_ref[n, hk, :].astype(jnp.float32)
         k = k_ref[n, hk, :].astype(jnp.float32)

@@ -31,11 +31,10 @@ import jax.numpy as jnp
 from .._mgpu import store_rows
 
 # Tiles in order of preference; the first whose block_k divides K and block_n
-# divides N is taken. H200, jax 0.11.2 (bench/RESULTS.md): with JAX's kernel (same
-# TMA / wgmma tile structure, 2026-11-30) 64 x 256 x 64 with 4 stages was the fastest
-# of four tiles at every row count; with this kernel (2026-12-01) it is the best of six
-# at 16384 rows, while at 65536 rows 5 stages gain 4 % on 2048 -> 1024 and 128 x 128
-# gains 10 % on 512 -> 2048 (not taken: a row-dependent choice for 2 % of a prefill).
+# divides N is taken. On the H200 (bench/RESULTS.md, the Mosaic grouped matmul)
+# 64 x 256 x 64 with 4 stages is the best of six tiles at 16384 rows; at 65536 rows
+# 5 stages gain 4 % on 2048 -> 1024 and 128 x 128 gains 10 % on 512 -> 2048, a
+# row-dependent choice worth 2 % of a prefill, so one tile serves every row count.
 MGPU_TILES = (
     dict(block_m=64, block_n=256, block_k=64, max_concurrent_steps=4),
     dict(block_m=64, block_n=128, block_k=64, max_concurrent_steps=4),
