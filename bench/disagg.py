@@ -59,7 +59,7 @@ import time
 
 import httpx
 
-from bench.load import arrivals, dataset, length_bounds, prefix_dataset, run_level
+from bench.load import arrivals, dataset, length_bounds, prefix_dataset, run_level, scrape
 from bench.report import (NO_PREFIX_CACHE, greedy_agreement, plot, roofline_figures,
                           summarise, summary, table)
 from serving.__main__ import LAUNCHER_FLAGS, gpus, without_flags
@@ -113,11 +113,12 @@ def stop_server(proc: subprocess.Popen) -> None:
 def server_role(url: str) -> str:
     """"aggregated" for one engine, else "disaggregated": the roles its
     ``vllm:device_busy_seconds`` counter names (a router names its workers' roles)."""
-    from prometheus_client.parser import text_string_to_metric_families
+    async def samples():
+        async with httpx.AsyncClient() as client:
+            return await scrape(client, url)
 
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    roles = {s.labels.get("role") for fam in text_string_to_metric_families(text)
-             if fam.name == "vllm:device_busy_seconds" for s in fam.samples}
+    prefix = "vllm:device_busy_seconds_total{"
+    roles = {k[len(prefix):-1] for k in asyncio.run(samples()) if k.startswith(prefix)}
     return "aggregated" if roles == {"aggregated"} else "disaggregated"
 
 

@@ -322,12 +322,17 @@ def test_64_concurrent_streams(server):
     server.wait_idle()
 
 
+def metric_values(server) -> dict[str, float]:
+    """The server's samples by name with labels, as /metrics prints them."""
+    text = httpx.get(server.url + "/metrics").text
+    return {line.split(" ")[0]: float(line.split(" ")[1])
+            for line in text.splitlines() if line and not line.startswith("#")}
+
+
 def test_metrics(server, client):
     complete(client, prompt="metrics", max_tokens=4, extra_body={"ignore_eos": True})
     server.wait_idle()
-    text = httpx.get(server.url + "/metrics").text
-    values = {line.split(" ")[0]: float(line.split(" ")[1])
-              for line in text.splitlines() if line and not line.startswith("#")}
+    values = metric_values(server)
     label = '{model_name="tiny"}'
     assert values["vllm:num_requests_running" + label] == 0
     assert values["vllm:kv_cache_usage_perc" + label] == 0
@@ -351,10 +356,9 @@ def test_a_repeated_prompt_reports_its_cached_tokens(server, client):
     its first two 16-token blocks cached, says so in usage and in the vLLM counters, and
     gives the same greedy text as before."""
     def hits():
-        text = httpx.get(server.url + "/metrics").text
-        return {k: float(line.split(" ")[1]) for line in text.splitlines()
-                for k in ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")
-                if line.startswith(k + "{")}
+        v = metric_values(server)
+        return {k: v[k + '{model_name="tiny"}']
+                for k in ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")}
 
     prompt = list(range(100, 140))
     before = hits()

@@ -17,7 +17,8 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.disagg import CPU_ENGINE_FLAGS, server_role  # test_bench_disagg's programs: in the session's cache
+# CPU_ENGINE_FLAGS: test_bench_disagg's programs, in the session's cache
+from bench.disagg import CPU_ENGINE_FLAGS, server_role
 from serving.ports import free_port
 
 

@@ -175,7 +175,7 @@ class PrefixCache:
         known = req.num_known_tokens
         hi = min(start + num_tokens, known) // bs
         lo = start // bs + 1
-        marks = ((known - 1) // bs, known // bs) + ((req.divergence // bs,) if req.divergence else ())
+        marks = ((known - 1) // bs, known // bs, (req.divergence or 0) // bs)
         ends = {j for j in marks if lo <= j <= hi}
         every = [j for j in range(hi, lo - 1, -1) if j % self.interval == 0 and j not in ends]
         keys = self.keys(req, hi * bs)
