@@ -135,6 +135,30 @@ def _oracle(cu, q, k, v, g, beta, init):
                               dk ** -0.5, True)
 
 
+ENDS = [16, 32, 64, 65, 66, 100, 196, 0, 500]  # two in one block, on the grid, at
+# sequence ends, a one-token sequence's, and two in no sequence
+
+
+def test_snapshot_table_puts_each_end_in_the_block_holding_its_last_token():
+    cu = jnp.asarray([0, 65, 65, 66, 196], jnp.int32)
+    tab = mgpu.block_table(cu, 199)
+    C = tab["start"].shape[0]
+    gam = jnp.arange(C * 2 * 64, dtype=jnp.float32).reshape(C, 2, 64)
+    t = {k: np.asarray(v) for k, v in mgpu.snapshot_table(tab, gam, jnp.asarray(ENDS)).items()}
+    start, lo, hi = (np.asarray(tab[k]) for k in ("start", "lo", "hi"))
+    assert t["ok"].tolist() == [True] * 7 + [False] * 2
+    seen = []
+    for c in range(C):
+        assert t["lo"][c] <= t["hi"][c]
+        for j in range(t["lo"][c], t["hi"][c]):
+            e, r = ENDS[t["row"][j]], t["r"][j]
+            assert start[c] + r == e and lo[c] < r <= hi[c]
+            np.testing.assert_array_equal(t["gamma"][j], np.asarray(gam)[c, :, r - 1])
+            seen.append(t["row"][j])
+    assert sorted(seen) == list(range(7))  # each valid end once, the others nowhere
+    assert t["hi"][-1] == 7
+
+
 def _need_runner():
     runner = _runner()
     if runner is None:
@@ -158,6 +182,34 @@ def test_mgpu_prefill_matches_oracle(with_init, shared, dk):
     assert rel_err(o[:cu[-1]], o_ref[:cu[-1]]) < 1e-2
     assert rel_err(fin, f_ref) < 1e-2
     assert np.all(o[cu[-1]:] == 0.0)
+
+
+@pytest.mark.parametrize("with_init", [True, False])
+def test_mgpu_prefill_snapshots_match_oracle(with_init):
+    """The states at snapshot ends (inside blocks, two in one, on the grid, at sequence
+    ends) are the oracle's final states of the sequences cut there; ends in no sequence
+    give zeros; o and the final states are those of the run without snapshots."""
+    runner = _need_runner()
+    cu, q, k, v, g, beta, init = _case(np.random.default_rng(5), [65, 0, 1, 130], 3, 1, 2,
+                                       128, 128, 0.0, with_init)
+    bf = lambda a: jnp.asarray(a, jnp.bfloat16)
+    args = (bf(q), bf(k), bf(v), jnp.asarray(g, jnp.float32), jnp.asarray(beta, jnp.float32),
+            jnp.asarray(cu), None if init is None else jnp.asarray(init, jnp.float32))
+    with runner:
+        o0, fin0 = mgpu.gdn_prefill_mgpu(*args, scale=128 ** -0.5, bv=64)
+        o, fin, snaps = mgpu.gdn_prefill_mgpu(*args, scale=128 ** -0.5, bv=64,
+                                              snapshot_ends=jnp.asarray(ENDS, jnp.int32))
+    np.testing.assert_array_equal(np.asarray(o), np.asarray(o0))
+    np.testing.assert_array_equal(np.asarray(fin), np.asarray(fin0))
+    snaps = np.asarray(snaps, np.float64)
+    for i, e in enumerate(ENDS):
+        n = int(np.searchsorted(cu[1:], e - 1, side="right"))
+        if e == 0 or e > cu[-1]:
+            assert np.all(snaps[i] == 0.0)
+            continue
+        part = np.asarray([cu[n], e])
+        _, ref = _oracle(part, q, k, v, g, beta, None if init is None else init[n:n + 1])
+        assert rel_err(snaps[i], ref[0]) < 1e-2, (i, e)
 
 
 def test_mgpu_prefill_other_sequences_nan_stays_out():

@@ -33,7 +33,7 @@ import numpy as np
 from jax import lax
 
 from .._mgpu import load, store_rows, wgmma_transforms
-from .reference import CHUNK, l2norm
+from .reference import CHUNK, l2norm, locate_snapshots
 
 
 def block_table(cu, total_tokens: int):
@@ -86,6 +86,31 @@ def _per_block(x, tab):
     return jnp.where(keep[..., None], x[idx], 0.0).transpose(0, 2, 1)
 
 
+def snapshot_table(tab, gam, ends):
+    """Where the sequential launch emits each snapshot (``gdn_prefill``'s
+    ``snapshot_ends``: packed exclusive token ends e). The state after token e - 1 is
+    the state after r = e - 64 * ((e - 1) // 64) rows of the grid block holding that
+    token, so the snapshots are sorted by that block's ``block_table`` entry and each
+    entry gets the range [lo, hi) of them it passes; per sorted snapshot, ``r``, its
+    output ``row`` (its index in `ends`) and ``gamma`` [S, Hv], the block's cumulative
+    gate at row r - 1. Ends in no sequence (``ok`` false) sort past every entry."""
+    C = tab["start"].shape[0]
+    ends = jnp.asarray(ends, jnp.int32)
+    seq, ok = locate_snapshots(jnp.asarray(tab["cu"]), tab["cu"][-1], ends)
+    blk = (ends - 1) // CHUNK
+    c = jnp.asarray(tab["seq_first_chunk"])[seq] + blk - jnp.asarray(tab["cu"])[seq] // CHUNK
+    c = jnp.where(ok, c, C).astype(jnp.int32)
+    order = jnp.argsort(c, stable=True).astype(jnp.int32)
+    cs = c[order]
+    entries = jnp.arange(C, dtype=jnp.int32)
+    r = jnp.where(ok, ends - blk * CHUNK, CHUNK)[order].astype(jnp.int32)
+    # compare_all: one fused kernel (the default is a loop of kernels with host syncs)
+    find = lambda side: jnp.searchsorted(cs, entries, side=side, method="compare_all")
+    return dict(lo=find("left").astype(jnp.int32), hi=find("right").astype(jnp.int32),
+                r=r, row=order,
+                gamma=gam[jnp.minimum(cs, C - 1), :, r - 1].astype(jnp.float32), ok=ok)
+
+
 def takes(q, k, v, bv: int) -> bool:
     """Whether these kernels take q, k [.., dk] and v [.., dv]: one 16-bit dtype; dk
     and dv multiples of the V tile bv, itself 128 bytes (every wgmma operand row here
@@ -100,12 +125,13 @@ def takes(q, k, v, bv: int) -> bool:
 
 
 def gdn_prefill_mgpu(q, k, v, g, beta, cu, initial_state, *, scale: float, bv: int,
-                     only_intra: bool = False):
+                     snapshot_ends=None, only_intra: bool = False):
     """Packed prefill (``gdn_prefill``'s semantics with ``use_qk_l2norm``: the intra
     launch's float16 inverse needs unit keys) on the two Mosaic GPU launches.
     q, k [T, Hk, dk], v [T, Hv, dv] in one 16-bit dtype; g, beta [T, Hv] float32.
-    Returns (o [T, Hv, dv], final state [N, Hv, dk, dv] float32); only_intra: the
-    intra launch's (M, gamma), for timing it alone."""
+    Returns (o [T, Hv, dv], final state [N, Hv, dk, dv] float32), and with
+    snapshot_ends [S] the states there [S, Hv, dk, dv] float32 (zero for ends in no
+    sequence); only_intra: the intra launch's (M, gamma), for timing it alone."""
     T = q.shape[0]
     # once here, not once per V tile in the sequential launch
     q, k = (l2norm(x.astype(jnp.float32)).astype(x.dtype) for x in (q, k))
@@ -119,17 +145,24 @@ def gdn_prefill_mgpu(q, k, v, g, beta, cu, initial_state, *, scale: float, bv: i
     if only_intra:
         return m, gam
     init = None if initial_state is None else initial_state.astype(jnp.float32)
-    o, fin = chunk_pass_mgpu(tab["cu"], tab["seq_first_chunk"], tab["seq_nchunks"], q, k, v,
-                             m, gam, init, ratio=v.shape[1] // k.shape[1], bv=bv, scale=scale)
-    return o[:T], fin
+    snaps = None if snapshot_ends is None else snapshot_table(tab, gam, snapshot_ends)
+    out = chunk_pass_mgpu(tab["cu"], tab["seq_first_chunk"], tab["seq_nchunks"], q, k, v,
+                          m, gam, init, snaps, ratio=v.shape[1] // k.shape[1], bv=bv,
+                          scale=scale)
+    if snaps is None:
+        return out[0][:T], out[1]
+    o, fin, states = out
+    return o[:T], fin, jnp.where(snaps["ok"][:, None, None, None], states, 0.0)
 
 
-def chunk_pass_mgpu(cu, seq_first, seq_nchunks, q, k, v, m, gam, init, *,
+def chunk_pass_mgpu(cu, seq_first, seq_nchunks, q, k, v, m, gam, init, snaps=None, *,
                     ratio: int, bv: int, scale: float):
     """The sequential launch. q, k [T, Hk, dk] and v [T, Hv, dv] (16-bit, one dtype, T
     a multiple of 8); m [C, Hv, 64, 64] (q's dtype) and gam [C, Hv, 64] float32 per
-    ``block_table`` entry; init [N, Hv, dk, dv] float32 or None. Returns (o [T, Hv,
-    dv] in v's dtype, rows at or past cu[N] zero; final state [N, Hv, dk, dv] float32).
+    ``block_table`` entry; init [N, Hv, dk, dv] float32 or None; snaps a
+    ``snapshot_table`` or None. Returns (o [T, Hv, dv] in v's dtype, rows at or past
+    cu[N] zero; final state [N, Hv, dk, dv] float32), and with snaps the states
+    [S, Hv, dk, dv] float32 at its rows (rows of ends in no sequence unwritten).
 
     One CTA per (sequence, value head, V tile), three warpgroups. Only the state's
     chain is sequential, so one warpgroup runs nothing else; a chunk's output waits
@@ -146,7 +179,13 @@ def chunk_pass_mgpu(cu, seq_first, seq_nchunks, q, k, v, m, gam, init, *,
         a slot refilled once both others are done with it.
 
     S and Vd go through two SMEM slots of their own, so wg 0 runs up to two chunks
-    ahead of wg 1."""
+    ahead of wg 1.
+
+    A snapshot after r rows of a chunk is e^{gamma_{r-1}} S + K^T V'' with V'' =
+    e^{gamma_{r-1} - gamma} Vd on rows below r and 0 from r on (Vd's rows below r
+    depend on no later row: M is lower triangular): wg 0 computes it between Vd and the
+    update, through the W buffer, and stores it by TMA from the state buffer, so a
+    chunk without one does no more than before."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -159,6 +198,7 @@ def chunk_pass_mgpu(cu, seq_first, seq_nchunks, q, k, v, m, gam, init, *,
         raise ValueError(f"q, k, v ({q.dtype}, {k.dtype}, {v.dtype}), dk={dk}, dv={dv} "
                          f"and bv={bv} are not shapes these kernels take (see takes)")
     has_init = init is not None
+    n_snap = 0 if snaps is None else snaps["r"].shape[0]
     wg = plgpu.Layout.WGMMA
     row_vec, col_vec = wg.reduce(1), wg.reduce(0)
     tr = wgmma_transforms(bv, item)  # 128 B swizzle rows for every wgmma operand
@@ -166,7 +206,12 @@ def chunk_pass_mgpu(cu, seq_first, seq_nchunks, q, k, v, m, gam, init, *,
     def gdn_chunk_mgpu(cu_g, first_g, nch_g, q_g, k_g, v_g, m_g, gam_g, *rest):
         if has_init:
             init_g, *rest = rest
-        (o_g, fin_g, q_s, k_s, v_s, m_s, g_s, s_s, vd_s, w_s, o_t, o_s, f_s,
+        if n_snap:
+            snlo_g, snhi_g, snr_g, snrow_g, sng_g, *rest = rest
+        o_g, fin_g, *rest = rest
+        if n_snap:
+            snap_g, *rest = rest
+        (q_s, k_s, v_s, m_s, g_s, s_s, vd_s, w_s, o_t, o_s, f_s,
          loaded, zeroed, ready, consumed, s_free, init_bar) = rest
         role = lax.axis_index("wg")
         s = lax.axis_index("s")
@@ -221,6 +266,29 @@ def chunk_pass_mgpu(cu, seq_first, seq_nchunks, q, k, v, m, gam, init, *,
             else:
                 S0 = plgpu.layout_cast(jnp.zeros((dk, bv), jnp.float32), wg)
 
+            r_iota = plgpu.broadcasted_iota(jnp.int32, (CHUNK, bv), 0, layout=wg)
+
+            def emit_snapshots(c, S, vd, k_c, g_r):
+                """The states after the rows of entry c that its snapshots end at."""
+                @pl.loop(snlo_g[c], snhi_g[c])
+                def _(j):
+                    r, g_e = snr_g[j], sng_g[j, h]
+                    keep = r_iota < r
+                    decay = jnp.exp(jnp.where(keep, g_e - rows(g_r), 0.0))
+                    w_s[...] = jnp.where(keep, decay * vd, 0.0).astype(dt)  # V''
+                    plgpu.commit_smem()
+
+                    def at_r(acc):
+                        plgpu.wgmma(acc, k_c.transpose((1, 0)), w_s)
+                        plgpu.wgmma_wait(0)
+                        return acc[...] + jnp.exp(g_e) * S
+
+                    snap = pl.run_scoped(at_r, plgpu.ACC((dk, bv)))
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last one left f_s
+                    f_s[...] = snap
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(f_s, snap_g.at[snrow_g[j], h, :, pl.ds(v0, bv)])
+
             def chunk(i, S):
                 slot = lax.rem(i, 2)
                 _, lo, hi, whole = bounds(i)
@@ -249,6 +317,8 @@ def chunk_pass_mgpu(cu, seq_first, seq_nchunks, q, k, v, m, gam, init, *,
                 vd = pl.run_scoped(functools.partial(_mma, pairs=((m_s.at[slot], w_s),)),
                                    plgpu.ACC((CHUNK, bv)))[0]
                 vd_s.at[slot][...] = vd.astype(dt)
+                if n_snap:
+                    emit_snapshots(c0 + i, S, vd, k_c, g_r)
                 g_last = g_c[CHUNK - 1]
                 w_s[...] = (rows(jnp.exp(g_last - g_r)) * vd).astype(dt)  # V'
                 plgpu.commit_smem()
@@ -270,6 +340,8 @@ def chunk_pass_mgpu(cu, seq_first, seq_nchunks, q, k, v, m, gam, init, *,
             def _(i):
                 plgpu.barrier_wait(s_free.at[lax.rem(i, 2)])
 
+            if n_snap:
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last snapshot left
             f_s[...] = S
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(f_s, fin_g.at[s, h, :, pl.ds(v0, bv)])
@@ -355,10 +427,11 @@ def chunk_pass_mgpu(cu, seq_first, seq_nchunks, q, k, v, m, gam, init, *,
         plgpu.Barrier(num_barriers=2),                        # s_free: S, Vd slot reusable
         plgpu.Barrier(),                                      # the initial state
     ]
+    snap_out = (jax.ShapeDtypeStruct((n_snap, Hv, dk, dv), jnp.float32),) if n_snap else ()
     kernel = plgpu.kernel(
         gdn_chunk_mgpu,
         out_type=(jax.ShapeDtypeStruct((T, Hv, dv), v.dtype),
-                  jax.ShapeDtypeStruct((n_seq, Hv, dk, dv), jnp.float32)),
+                  jax.ShapeDtypeStruct((n_seq, Hv, dk, dv), jnp.float32)) + snap_out,
         scratch_types=scratch,
         grid=(n_seq, Hv, dv // bv),
         grid_names=("s", "h", "v"),
@@ -366,8 +439,10 @@ def chunk_pass_mgpu(cu, seq_first, seq_nchunks, q, k, v, m, gam, init, *,
         thread_name="wg",
         compiler_params=_compiler_params(),
     )
-    args = (cu, seq_first, seq_nchunks, q, k, v, m, gam)
-    return kernel(*args, *((init,) if has_init else ()))
+    args = (cu, seq_first, seq_nchunks, q, k, v, m, gam) + ((init,) if has_init else ())
+    if n_snap:
+        args += tuple(snaps[name] for name in ("lo", "hi", "r", "row", "gamma"))
+    return kernel(*args)
 
 
 def intra_mgpu(start, lo, hi, k, gam, beta, *, ratio: int):

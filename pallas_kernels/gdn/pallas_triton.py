@@ -378,15 +378,15 @@ def gdn_prefill_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
     # tiles on the GPU, and unit keys (their inverse runs in float16); float32 inputs
     # (IEEE fp32 products), other head sizes, keys not normalised here and interpret
     # mode keep the Triton ones.
-    # Snapshots are emitted by the Triton walk only (the Mosaic pair has no emit path).
-    if (cfg["main"] == "mgpu" and not interpret and use_qk_l2norm and snapshot_ends is None
+    if (cfg["main"] == "mgpu" and not interpret and use_qk_l2norm
             and mgpu.takes(q, k, v, cfg["bv_mgpu"])):
         out = mgpu.gdn_prefill_mgpu(qf, kf, vf, gf, bf, cu, initial_state, scale=scale,
-                                    bv=cfg["bv_mgpu"], only_intra=_only_intra)
+                                    bv=cfg["bv_mgpu"], snapshot_ends=snapshot_ends,
+                                    only_intra=_only_intra)
         if _only_intra:
             return out
-        o, fin = out
-        return o.reshape(B, T, Hv, dv), (fin if output_final_state else None)
+        o, fin, *snaps = out
+        return (o.reshape(B, T, Hv, dv), (fin if output_final_state else None), *snaps)
     tab = chunk_table(cu, TT, CHUNK, snapshot_ends)
     C = tab["c_max"]
     n_snap = 0 if snapshot_ends is None else snapshot_ends.shape[0]
