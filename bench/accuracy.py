@@ -4,13 +4,15 @@
                                                               # aggregated, disaggregated, --tp 2
     python -m bench.accuracy --model tiny-math-moe            # + --ep 2
     python -m bench.accuracy --dtypes bfloat16 --layouts aggregated disaggregated   # a GPU
+    python -m bench.accuracy --quantizations none fp8         # + FP8 weights (--quantization)
 
 Each server is started, sent the same ``--num-problems`` held-out problems
 (``qwen35_jax.train.problems.held_out``: a seed training never draws) through the
 official ``openai`` client as greedy completions, scored GSM8K's way (the number after
 ``####`` equals the answer) and stopped. Beside each score: how many completions are
 token-identical to the aggregated server's in the same dtype (its ``logprobs`` tokens),
-and the first problem where one is not. Prints a table and writes
+and the first problem where one is not (against the unquantised aggregated server: an FP8
+row shows how many answers FP8 weights leave unchanged). Prints a table and writes
 ``<result-dir>/accuracy.json``.
 
 Layouts: ``aggregated`` (``python -m serving.api``), ``disaggregated`` (``python -m
@@ -104,13 +106,14 @@ def server_env(layout: str) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    head = f"{'layout':<14} {'dtype':<9} {'exact':>7} {'correct':>9} {'identical to agg.':>18} {'s':>6}"
+    head = (f"{'layout':<14} {'weights':<8} {'dtype':<9} {'exact':>7} {'correct':>9} "
+            f"{'identical to agg.':>18} {'s':>6}")
     out = [head, "-" * len(head)]
     for r in rows:
         same = r.get("agreement")
         ident = (f"{same['identical']}/{same['of']}" if same else
                  "(reference)" if r["layout"] == "aggregated" else "-")
-        out.append(f"{r['layout']:<14} {r['dtype']:<9} {r['exact']:>7.1%} "
+        out.append(f"{r['layout']:<14} {r['quantization']:<8} {r['dtype']:<9} {r['exact']:>7.1%} "
                    f"{r['correct']:>4}/{r['n']:<4} {ident:>18} {r['seconds']:>6.0f}")
     return "\n".join(out)
 
@@ -122,6 +125,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--num-problems", type=int, default=200)
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
                    choices=["float32", "bfloat16"])
+    p.add_argument("--quantizations", nargs="+", default=["none"], choices=["none", "fp8"],
+                   help="weights as loaded, or --quantization fp8 for the servers")
     p.add_argument("--layouts", nargs="+", default=None, choices=list(LAYOUTS),
                    help="default: aggregated, disaggregated, tp2 (and ep2 for a MoE model)")
     p.add_argument("--concurrency", type=int, default=8)
@@ -150,27 +155,29 @@ def main(argv=None) -> list[dict]:
     prompts = [p.prompt for p in probs]
     rows, reference = [], {}
     os.makedirs(args.result_dir, exist_ok=True)
-    for dtype in args.dtypes:
-        for layout in layouts:
-            url = f"http://127.0.0.1:{args.port}"
-            proc = start_server(server_command(layout, args.model, dtype, args.port,
-                                               server_flags), url, args.startup_timeout,
-                                env=server_env(layout))
-            try:
-                t0 = time.perf_counter()
-                outs = ask(url, prompts, args.concurrency)
-                seconds = time.perf_counter() - t0
-            finally:
-                stop_server(proc)
-            row = {"model": args.model, "layout": layout, "dtype": dtype,
-                   **score(probs, outs), "seconds": round(seconds, 1)}
-            if layout == "aggregated":
-                reference[dtype] = outs
-            elif dtype in reference:
-                row["agreement"] = agreement(outs, reference[dtype])
-            row["texts"] = [o["text"] for o in outs]
-            rows.append(row)
-            print(table(rows[-1:]).splitlines()[-1], flush=True)
+    runs = [(q, dtype, layout) for q in args.quantizations for dtype in args.dtypes
+            for layout in layouts]
+    for quantization, dtype, layout in runs:
+        url = f"http://127.0.0.1:{args.port}"
+        flags = server_flags + ([] if quantization == "none" else
+                                ["--quantization", quantization])
+        proc = start_server(server_command(layout, args.model, dtype, args.port, flags),
+                            url, args.startup_timeout, env=server_env(layout))
+        try:
+            t0 = time.perf_counter()
+            outs = ask(url, prompts, args.concurrency)
+            seconds = time.perf_counter() - t0
+        finally:
+            stop_server(proc)
+        row = {"model": args.model, "layout": layout, "quantization": quantization,
+               "dtype": dtype, **score(probs, outs), "seconds": round(seconds, 1)}
+        if layout == "aggregated" and quantization == "none":
+            reference[dtype] = outs
+        elif dtype in reference:
+            row["agreement"] = agreement(outs, reference[dtype])
+        row["texts"] = [o["text"] for o in outs]
+        rows.append(row)
+        print(table(rows[-1:]).splitlines()[-1], flush=True)
     print(table(rows))
     path = os.path.join(args.result_dir, "accuracy.json")
     with open(path, "w") as f:

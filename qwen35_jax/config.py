@@ -48,6 +48,31 @@ class ConfigError(ValueError):
     """A config.json or preset that this model cannot represent faithfully."""
 
 
+def _fp8_modules(qc, name: str) -> tuple[str, ...]:
+    """The FP8 parameters a checkpoint's ``quantization_config`` implies before its
+    tensors are read: the default set (the loader then takes the set its
+    ``weight_scale_inv`` tensors name). Anything but 128 x 128 block-scaled e4m3 is
+    refused: other block shapes or formats would load as wrong weights."""
+    from qwen35_jax.quant import BLOCK, DEFAULT
+
+    method = qc.get("quant_method", "unknown") if isinstance(qc, dict) else qc
+    if method != "fp8":
+        raise ConfigError(f"{name}: quantised checkpoints of method {method!r} are not "
+                          "supported; FP8 (block-scaled e4m3, as Qwen's -FP8 releases) is, "
+                          "or use the bf16 release")
+    block = list(qc.get("weight_block_size") or [])
+    if block != [BLOCK, BLOCK]:
+        raise ConfigError(f"{name}: FP8 weight_block_size {block or None} is not supported "
+                          f"(only [{BLOCK}, {BLOCK}] block scales)")
+    fmt = qc.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise ConfigError(f"{name}: FP8 format {fmt!r} is not supported (only e4m3)")
+    if qc.get("scale_fmt", "float") != "float":
+        raise ConfigError(f"{name}: FP8 scale_fmt {qc['scale_fmt']!r} is not supported "
+                          "(only float32 scales)")
+    return DEFAULT
+
+
 @dataclasses.dataclass(frozen=True)
 class Qwen35Config:
     """Hyper-parameters of the Qwen3.5 language model (dense or MoE).
@@ -80,6 +105,9 @@ class Qwen35Config:
     max_position_embeddings: int = 262144
     tie_word_embeddings: bool = False
     eos_token_ids: tuple[int, ...] = (248046, 248044)
+    # Layer-relative parameter paths held as FP8 with 128 x 128 block scales (quant.py):
+    # an FP8 checkpoint's quantised tensors, or ``--quantization fp8``'s default set.
+    fp8_modules: tuple[str, ...] = ()
     name: str = "custom"
 
     def __post_init__(self):
@@ -111,6 +139,13 @@ class Qwen35Config:
         need(self.rotary_dim % 2 == 0 and 0 < self.rotary_dim <= self.head_dim,
              f"head_dim*partial_rotary_factor = {self.head_dim * self.partial_rotary_factor} "
              "must be an even number of dimensions within head_dim")
+        from qwen35_jax.quant import QUANTISABLE, applicable
+        bad = sorted(set(self.fp8_modules) - set(QUANTISABLE))
+        need(not bad, f"fp8_modules {bad} are not parameters that can be FP8 "
+                      f"(one of {list(QUANTISABLE)})")
+        absent = sorted(set(self.fp8_modules) - set(applicable(self.fp8_modules, self.is_moe)))
+        need(not absent, f"fp8_modules {absent} are not parameters of a "
+                         f"{'MoE' if self.is_moe else 'dense'} model")
         if self.is_moe:
             need(0 < self.num_experts_per_tok <= self.num_experts,
                  "num_experts_per_tok must be in 1..num_experts")
@@ -160,12 +195,12 @@ class Qwen35Config:
         """Build from a HF config dict (nested multimodal or flat text config)."""
         d = dict(d)
         top_type = d.get("model_type")
-        if "quantization_config" in d or "quantization_config" in d.get("text_config", {}):
-            qc = d.get("quantization_config") or d["text_config"]["quantization_config"]
-            method = qc.get("quant_method", "unknown") if isinstance(qc, dict) else qc
-            raise ConfigError(
-                f"{name}: quantised checkpoints ({method}) are not supported; "
-                "use the bf16 release of this model")
+        text_qc = (d.get("text_config") or {}).get("quantization_config")
+        qc = d.pop("quantization_config", None) or text_qc
+        if "text_config" in d and text_qc is not None:
+            d["text_config"] = {k: v for k, v in d["text_config"].items()
+                                if k != "quantization_config"}
+        fp8 = () if qc is None else _fp8_modules(qc, name)
         if "text_config" in d:
             if top_type not in DENSE_TYPES + MOE_TYPES:
                 raise ConfigError(f"{name}: model_type {top_type!r} is not a Qwen3.5 model "
@@ -187,7 +222,11 @@ class Qwen35Config:
                 text["eos_token_id"] = d["eos_token_id"]
         else:
             text = d
-        return cls._from_text_dict(text, name)
+        cfg = cls._from_text_dict(text, name)
+        if fp8:
+            from qwen35_jax.quant import applicable
+            cfg = dataclasses.replace(cfg, fp8_modules=applicable(fp8, cfg.is_moe))
+        return cfg
 
     @classmethod
     def _from_text_dict(cls, t: dict, name: str) -> "Qwen35Config":
@@ -312,8 +351,9 @@ class Qwen35Config:
             del d["layer_types"]
         d.update(eos_token_id=list(self.eos_token_ids), **overrides)
         cfg = Qwen35Config._from_text_dict(d, f"{self.name} with {dict(overrides)}")
-        return dataclasses.replace(cfg, name=self.name, eos_token_ids=(
-            cfg.eos_token_ids if "eos_token_id" in overrides else self.eos_token_ids))
+        return dataclasses.replace(cfg, name=self.name, fp8_modules=self.fp8_modules,
+                                   eos_token_ids=(cfg.eos_token_ids if "eos_token_id" in
+                                                  overrides else self.eos_token_ids))
 
     def to_hf_text_dict(self) -> dict:
         """The flat HF text-config dict of this config (for building reference models)."""

@@ -22,10 +22,11 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from qwen35_jax import sharding
+from qwen35_jax import quant, sharding
 from qwen35_jax.config import Qwen35Config
 from qwen35_jax.model import Qwen35ForCausalLM
 
@@ -98,7 +99,8 @@ MTP_LAYER = ("mtp.layers.0.", "layer.")  # (checkpoint prefix, parameter prefix)
 PREFIXES = ("model.language_model.", "model.")
 IGNORED = re.compile(r"^(mtp\.|model\.visual\.|visual\.|model\.mtp\.)")
 LAYER = re.compile(r"layers\.(\d+)\.(.+)")
-QUANTISED_DTYPES = {"F8_E4M3", "F8_E5M2", "I8", "U8", "I4", "U4", "F4"}
+QUANTISED_DTYPES = {"F8_E5M2", "I8", "U8", "I4", "U4", "F4"}  # F8_E4M3: FP8 (quant.py)
+SCALE_SUFFIX = "_scale_inv"  # "<name>.weight_scale_inv": the block scales of "<name>.weight"
 
 
 def _target(cfg: Qwen35Config, name: str):
@@ -179,7 +181,69 @@ def _zeros(shape, dtype, out_sharding):
 
 def abstract_model(cfg: Qwen35Config, dtype=jnp.bfloat16) -> Qwen35ForCausalLM:
     """The model with shapes only (no memory): for compile-only work and as a load target."""
-    return nnx.eval_shape(lambda: Qwen35ForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=dtype))
+    return nnx.eval_shape(lambda: _build(cfg, nnx.Rngs(0), dtype))
+
+
+def _build(cfg: Qwen35Config, rngs, dtype) -> Qwen35ForCausalLM:
+    model = Qwen35ForCausalLM(cfg, rngs=rngs, dtype=dtype)
+    quant.quantize_model(model, cfg.fp8_modules)
+    return model
+
+
+def _scale_path(ppath: str) -> str:
+    """The block-scale parameter of an FP8 parameter (quant.quantize_model's names)."""
+    return ppath[:-len("kernel")] + "scale" if ppath.endswith(".kernel") else ppath + "_scale"
+
+
+def _relative(ppath: str) -> str:
+    """A layer parameter's path inside its layer, as ``fp8_modules`` names it."""
+    rel = ppath.split(".", 2)[2]
+    return rel[:-len(".kernel")] if rel.endswith(".kernel") else rel
+
+
+def checkpoint_config(path: str | os.PathLike) -> Qwen35Config:
+    """The config of a checkpoint directory, with ``fp8_modules`` the layer parameters
+    its tensors hold in FP8 (those with a ``weight_scale_inv``; the same in every layer
+    once loaded: a layer that left one in bf16 is quantised on load)."""
+    from safetensors import safe_open
+
+    path = os.fspath(path)
+    cfg = Qwen35Config.from_json(path)
+    if not cfg.fp8_modules:
+        return cfg
+    found = set()
+    for shard in _shards(path):
+        with safe_open(shard, framework="flax") as f:
+            for name in f.keys():
+                if name.endswith(".weight" + SCALE_SUFFIX) and not IGNORED.match(name):
+                    tgt = _target(cfg, name[:-len(SCALE_SUFFIX)])
+                    if tgt is None or tgt == "skip" or not tgt[0].startswith("groups."):
+                        raise CheckpointError(f"{path}: {name!r} scales a tensor that this "
+                                              "model does not hold in FP8")
+                    found.add(_relative(tgt[0]))
+    return cfg.replace(fp8_modules=tuple(p for p in quant.QUANTISABLE if p in found))
+
+
+def _fp8_array(shard: str, name: str):
+    """An e4m3 tensor of a safetensors file, read through PyTorch: safetensors' NumPy and
+    Flax readers have no FP8 type."""
+    import ml_dtypes
+    import torch
+    from safetensors import safe_open
+
+    with safe_open(shard, framework="pt") as f:
+        raw = f.get_tensor(name).view(torch.uint8).numpy()
+    return jnp.asarray(raw.view(ml_dtypes.float8_e4m3fn))
+
+
+def _scale_cols(cols: slice | None) -> slice | None:
+    """The block-scale columns of the part of a fused tensor at columns ``cols`` (each
+    part has its own blocks: quant.py)."""
+    if cols is None:
+        return None
+    nb = -(-(cols.stop - cols.start) // quant.BLOCK)
+    j = cols.start // (cols.stop - cols.start)
+    return slice(j * nb, (j + 1) * nb)
 
 
 def from_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, *,
@@ -190,14 +254,19 @@ def from_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, *,
     With ``mesh``, every parameter is allocated with its ``qwen35_jax.sharding`` layout
     before the tensors stream in, so no device ever holds a whole split weight.
 
+    FP8 (``cfg.fp8_modules``, quant.py): an FP8 checkpoint's e4m3 tensors and their
+    ``weight_scale_inv`` block scales load as they are; a bf16 tensor of a parameter
+    held in FP8 (``--quantization fp8`` on a bf16 checkpoint) is quantised on load, one
+    tensor at a time.
+
     Raises CheckpointError on a missing shard or tensor, a shape mismatch, an
-    unexpected tensor, or a quantised (FP8/int) checkpoint, and ConfigError on a
+    unexpected tensor, or a quantised tensor in another format, and ConfigError on a
     config that is not Qwen3.5.
     """
     from safetensors import safe_open
 
     path = os.fspath(path)
-    cfg = config or Qwen35Config.from_json(path)
+    cfg = config or checkpoint_config(path)
     graphdef, abstract = nnx.split(abstract_model(cfg, dtype))
     flat = {".".join(map(str, k)): v for k, v in nnx.to_flat_state(abstract)}
     shardings = None if mesh is None else dict(nnx.to_flat_state(
@@ -213,6 +282,26 @@ def from_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, *,
     for shard in shards:
         with safe_open(shard, framework="flax") as f:
             total += len(f.keys())
+
+    def put(ppath, value, index, cols, name):
+        """Write one tensor (already in the parameter's layout) into its stacked leaf."""
+        leaf = leaves[ppath]
+        want = leaf.shape[len(index):]
+        if cols is not None:
+            want = want[:-1] + (cols.stop - cols.start,)
+        if tuple(value.shape) != tuple(want):
+            raise CheckpointError(
+                f"{path}: tensor {name!r} has shape {tuple(value.shape)} after layout "
+                f"conversion, but the config implies {tuple(want)}")
+        start = index + (0,) * (leaf.ndim - len(index))
+        if cols is not None:
+            start = start[:-1] + (cols.start,)
+        leaves[ppath] = _write(leaf, value.reshape((1,) * len(index) + value.shape),
+                               jnp.array(start, jnp.int32))
+        lead = len(next(iter(expected[ppath])))  # stacking axes: 0, 1 (attn) or 2 (GDN)
+        filled[ppath].add(index if len(index) == lead else
+                          index[:lead] + ((index[lead], cols.start if cols else 0),))
+
     bar = tqdm(total=total, desc="loading weights", unit="tensor", disable=not progress)
     for shard in shards:
         with safe_open(shard, framework="flax") as f:
@@ -221,34 +310,34 @@ def from_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, *,
                 if IGNORED.match(name):
                     continue
                 dt = f.get_slice(name).get_dtype()
-                if dt in QUANTISED_DTYPES or name.endswith(("weight_scale_inv", "weight_scale")):
-                    raise CheckpointError(f"{path}: tensor {name!r} is quantised ({dt}); FP8 and "
-                                          "other quantised checkpoints are not supported, use the "
-                                          "bf16 release")
-                tgt = _target(cfg, name)
+                is_scale = name.endswith(".weight" + SCALE_SUFFIX)
+                if dt in QUANTISED_DTYPES or name.endswith(".weight_scale"):
+                    raise CheckpointError(f"{path}: tensor {name!r} is quantised ({dt}) in a "
+                                          "format this loader does not read: only FP8 e4m3 "
+                                          "with 128 x 128 block scales (weight_scale_inv)")
+                tgt = _target(cfg, name[:-len(SCALE_SUFFIX)] if is_scale else name)
                 if tgt == "skip":
                     continue
                 if tgt is None:
                     raise CheckpointError(f"{path}: unexpected tensor {name!r} for a "
                                           f"{'MoE' if cfg.is_moe else 'dense'} Qwen3.5 model")
                 ppath, index, fn, cols = tgt
-                value = fn(f.get_tensor(name))
-                leaf = leaves[ppath]
-                want = leaf.shape[len(index):]
-                if cols is not None:
-                    want = want[:-1] + (cols.stop - cols.start,)
-                if tuple(value.shape) != tuple(want):
-                    raise CheckpointError(
-                        f"{path}: tensor {name!r} has shape {tuple(value.shape)} after layout "
-                        f"conversion, but the config implies {tuple(want)}")
-                start = index + (0,) * (leaf.ndim - len(index))
-                if cols is not None:
-                    start = start[:-1] + (cols.start,)
-                leaves[ppath] = _write(leaf, value.reshape((1,) * len(index) + value.shape),
-                                       jnp.array(start, jnp.int32))
-                lead = len(next(iter(expected[ppath])))  # stacking axes: 0, 1 (attn) or 2 (GDN)
-                filled[ppath].add(index if len(index) == lead else
-                                  index[:lead] + ((index[lead], cols.start if cols else 0),))
+                fp8 = quant.is_fp8(leaves[ppath])
+                if (is_scale or dt == "F8_E4M3") and not fp8:
+                    raise CheckpointError(f"{path}: tensor {name!r} is FP8 but {ppath} is not "
+                                          f"one of this config's fp8_modules {cfg.fp8_modules}")
+                if is_scale:
+                    put(_scale_path(ppath), fn(f.get_tensor(name)).astype(jnp.float32), index,
+                        _scale_cols(cols), name)
+                elif dt == "F8_E4M3":
+                    put(ppath, fn(_fp8_array(shard, name)), index, cols, name)
+                elif fp8:  # a bf16 tensor of an FP8 parameter: quantised on load
+                    q, scale = quant.quantize(np.asarray(fn(f.get_tensor(name)), np.float32),
+                                              1 if cols else quant.splits_of(ppath))
+                    put(ppath, jnp.asarray(q), index, cols, name)
+                    put(_scale_path(ppath), jnp.asarray(scale), index, _scale_cols(cols), name)
+                else:
+                    put(ppath, fn(f.get_tensor(name)), index, cols, name)
     bar.close()
     filled = {k: _layers_covered(cfg, k, v) for k, v in filled.items()}
     missing = [k for k in flat if not expected[k] <= filled[k]]
@@ -270,7 +359,7 @@ def _layers_covered(cfg: Qwen35Config, path: str, units: set) -> set:
     parts: dict[tuple, set] = {}
     for u in units - whole:
         parts.setdefault(u[:-1], set()).add(u[-1])
-    need = cfg.num_experts * (2 if path.endswith("experts_gate_up") else 1)
+    need = cfg.num_experts * (2 if "experts_gate_up" in path else 1)
     return whole | {lead for lead, got in parts.items() if len(got) == need}
 
 
@@ -303,7 +392,7 @@ def _init_program(cfg: Qwen35Config, dtype, mesh):
     graphdef, abstract = nnx.split(abstract_model(cfg, dtype))
     out = None if mesh is None else sharding.param_shardings(cfg, abstract, mesh)
     return graphdef, jax.jit(
-        lambda key: nnx.state(Qwen35ForCausalLM(cfg, rngs=nnx.Rngs(key), dtype=dtype)),
+        lambda key: nnx.state(_build(cfg, nnx.Rngs(key), dtype)),
         out_shardings=out)
 
 

@@ -68,7 +68,8 @@ class AttentionDecoderLayer(nnx.Module):
 
 def _read_in_place(path, _):
     """The weights a layer indexes in the stack itself: experts and Linear kernels."""
-    return path[-1] in ("experts_gate_up", "experts_down", "kernel")
+    return path[-1] in ("experts_gate_up", "experts_down", "kernel", "scale",
+                        "experts_gate_up_scale", "experts_down_scale")
 
 
 def _split_whole(stacked: nnx.Module):

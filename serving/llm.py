@@ -30,23 +30,32 @@ def default_dtype():
     return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
 
 
-def model_config(model: str, hf_overrides: dict | None = None):
+def model_config(model: str, hf_overrides: dict | None = None, quantization: str | None = None):
     """The config of a checkpoint directory or a preset name, read without weights;
-    ``hf_overrides`` (HF config fields) apply to presets, whose weights are random."""
+    ``hf_overrides`` (HF config fields) apply to presets, whose weights are random.
+    ``quantization`` ("fp8", vLLM's flag): the layer matmuls in FP8 with block scales
+    (qwen35_jax/quant.py), quantised on load; an FP8 checkpoint is FP8 without it."""
     import qwen35_jax
-    from qwen35_jax.config import Qwen35Config
+    from qwen35_jax import quant
+    from qwen35_jax.loader import checkpoint_config
 
+    if quantization not in (None, *quant.QUANTIZATIONS):
+        raise ValueError(f"unknown quantization {quantization!r}; one of {quant.QUANTIZATIONS}")
     model = builtin.resolve(model)
     if os.path.isdir(model):
         if hf_overrides:
             raise ValueError(f"hf_overrides apply to presets (random weights), not to the "
                              f"checkpoint {model}, whose weights fix its shapes")
-        return Qwen35Config.from_json(model)
-    cfg = qwen35_jax.get_preset(model)
-    return cfg.with_overrides(hf_overrides) if hf_overrides else cfg
+        cfg = checkpoint_config(model)
+    else:
+        cfg = qwen35_jax.get_preset(model)
+        cfg = cfg.with_overrides(hf_overrides) if hf_overrides else cfg
+    if quantization == "fp8" and not cfg.fp8_modules:
+        cfg = cfg.replace(fp8_modules=quant.applicable(quant.DEFAULT, cfg.is_moe))
+    return cfg
 
 
-def load_model(model, dtype, seed, mesh=None, hf_overrides=None):
+def load_model(model, dtype, seed, mesh=None, hf_overrides=None, quantization=None):
     """A model object as given (placed on ``mesh`` if one is given), a checkpoint
     directory or built-in checkpoint, or a preset name (random weights), loaded straight
     into ``mesh``'s layout."""
@@ -55,10 +64,11 @@ def load_model(model, dtype, seed, mesh=None, hf_overrides=None):
 
     model = builtin.resolve(model)
     if not isinstance(model, str):
-        if hf_overrides:
-            raise ValueError("hf_overrides apply to a preset name, not to a model object")
+        if hf_overrides or quantization:
+            raise ValueError("hf_overrides and quantization apply to a checkpoint or a preset "
+                             "name, not to a model object")
         return model if mesh is None else shard_model(model, mesh)
-    cfg = model_config(model, hf_overrides)
+    cfg = model_config(model, hf_overrides, quantization)
     if os.path.isdir(model):
         return qwen35_jax.from_pretrained(model, dtype=dtype, mesh=mesh, config=cfg)
     return qwen35_jax.init_random(cfg, seed=seed, dtype=dtype, mesh=mesh)
@@ -77,13 +87,14 @@ def _load_tokenizer(tokenizer, model):
 
 class LLM:
     def __init__(self, model, *, tokenizer=None, dtype=None, seed: int = 0,
-                 hf_overrides: dict | None = None, **engine_kwargs):
+                 hf_overrides: dict | None = None, quantization: str | None = None,
+                 **engine_kwargs):
         if dtype is None:
             dtype = default_dtype()
         engine_kwargs.setdefault("seed", seed)
         config = EngineConfig(**engine_kwargs)
         mesh = config.mesh()
-        self.model = load_model(model, dtype, seed, mesh, hf_overrides)
+        self.model = load_model(model, dtype, seed, mesh, hf_overrides, quantization)
         self.tokenizer = _load_tokenizer(tokenizer, model)
         cfg = self.model.config
         if "eos_token_ids" not in engine_kwargs:

@@ -86,21 +86,30 @@ def test_wrong_model_type(good, tmp_path):
         from_pretrained(path, progress=False)
 
 
-def test_fp8_weights_are_refused_plainly(good, tmp_path):
+def test_fp8_weights_without_an_fp8_config_are_refused_plainly(good, tmp_path):
     path = copy(good, tmp_path)
     name = "model.language_model.layers.0.linear_attn.out_proj.weight"
     rewrite(path, name, lambda t: t.update({name: t[name].to(torch.float8_e4m3fn)}))
-    with pytest.raises(CheckpointError, match="quantised.*F8_E4M3.*not supported"):
+    with pytest.raises(CheckpointError, match="out_proj.weight' is FP8 but .* not one of "
+                                              "this config's fp8_modules"):
         from_pretrained(path, progress=False)
 
 
-def test_quantization_config_is_refused(good, tmp_path):
+def test_other_quantised_formats_are_refused(good, tmp_path):
+    path = copy(good, tmp_path)
+    name = "model.language_model.layers.0.linear_attn.out_proj.weight"
+    rewrite(path, name, lambda t: t.update({name: t[name].to(torch.float8_e5m2)}))
+    with pytest.raises(CheckpointError, match="quantised \\(F8_E5M2\\) in a format"):
+        from_pretrained(path, progress=False)
+
+
+def test_quantization_config_of_another_method_is_refused(good, tmp_path):
     path = copy(good, tmp_path)
     cfg_path = os.path.join(path, "config.json")
     d = json.load(open(cfg_path))
-    d["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    d["quantization_config"] = {"quant_method": "gptq", "bits": 4}
     json.dump(d, open(cfg_path, "w"))
-    with pytest.raises(ConfigError, match="quantised checkpoints \\(fp8\\)"):
+    with pytest.raises(ConfigError, match="method 'gptq' are not supported"):
         from_pretrained(path, progress=False)
 
 

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pallas_kernels.layer_matmul import layer_matmul
+from qwen35_jax.quant import dequantize_layer
 
 
 class Linear(nnx.Module):
@@ -21,8 +22,14 @@ class Linear(nnx.Module):
         self.kernel = nnx.Param(nnx.initializers.lecun_normal()(rngs.params(), (din, dout), dtype))
 
     def __call__(self, x, layer=None):
-        """x [..., in]; ``layer``: the flat index into a stacked kernel's leading dimensions."""
+        """x [..., in]; ``layer``: the flat index into a stacked kernel's leading dimensions.
+        An FP8 kernel (``quant.quantize_model`` gave it a ``scale``) is dequantised to x's
+        dtype first, one layer's weight."""
         w = self.kernel[...]
+        if hasattr(self, "scale"):
+            if w.ndim > 2 and layer is None:
+                raise ValueError(f"a kernel stacked as {w.shape} needs the layer index")
+            return jnp.dot(x, dequantize_layer(w, self.scale[...], layer, x.dtype))
         if w.ndim == 2:
             return jnp.dot(x, w)
         if layer is None:

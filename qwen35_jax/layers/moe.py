@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 from pallas_kernels.grouped_matmul import grouped_matmul
 from qwen35_jax.layers.linear import Linear
 from qwen35_jax.layers.mlp import MLP
+from qwen35_jax.quant import dequantize_layer
 from qwen35_jax.sharding import DATA, axis_size, expert_axes
 
 
@@ -60,13 +61,21 @@ class MoE(nnx.Module):
         w_gate_up, w_down = self.experts_gate_up[...], self.experts_down[...]
         if w_down.ndim > 3 and layer is None:
             raise ValueError(f"expert weights stacked as {w_down.shape} need the layer index")
-        layer = jnp.asarray(0 if layer is None else layer, jnp.int32)
+        expert_layer = layer
+        if hasattr(self, "experts_down_scale"):  # FP8 (quant.py): this layer's, dequantised
+            w_gate_up = dequantize_layer(w_gate_up, self.experts_gate_up_scale[...], layer,
+                                         x.dtype, core=3, splits=2)
+            w_down = dequantize_layer(w_down, self.experts_down_scale[...], layer, x.dtype,
+                                      core=3)
+            expert_layer = None
+        expert_layer = jnp.asarray(0 if expert_layer is None else expert_layer, jnp.int32)
         mesh = jax.sharding.get_abstract_mesh()
         axes = () if mesh.empty else expert_axes(mesh, self.num_experts)
         if axis_size(mesh, axes) > 1:
-            routed = _expert_parallel(mesh, axes, x, experts, weights, w_gate_up, w_down, layer)
+            routed = _expert_parallel(mesh, axes, x, experts, weights, w_gate_up, w_down,
+                                      expert_layer)
         else:
-            routed = _local_experts(x, experts, weights, w_gate_up, w_down, 0, layer)
+            routed = _local_experts(x, experts, weights, w_gate_up, w_down, 0, expert_layer)
         shared = (jax.nn.sigmoid(self.shared_expert_gate(x, layer))
                   * self.shared_expert(x, layer))
         return (routed + shared.astype(jnp.float32)).astype(x.dtype)

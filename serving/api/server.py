@@ -58,6 +58,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-overrides", type=_json_object, default=None, metavar="JSON",
                    help="HF config fields over a preset's (random weights), as vLLM's: "
                         "'{\"num_hidden_layers\": 20}' keeps 35B-A3B's shapes at half its depth")
+    p.add_argument("--quantization", "-q", default=None, choices=["fp8"],
+                   help="fp8: the layer matmuls' weights in FP8 e4m3 with 128x128 block "
+                        "scales, quantised on load (an FP8 checkpoint is FP8 without it)")
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
                    help="default: bfloat16 on accelerators, float32 on CPU")
     p.add_argument("--seed", type=int, default=0)
@@ -140,7 +143,8 @@ def build(args) -> tuple:
     tokenizer = Tokenizer(find_tokenizer(model, args.tokenizer))
     dtype = {"bfloat16": jax.numpy.bfloat16, "float32": jax.numpy.float32}.get(args.dtype)
     llm = LLM(model, tokenizer=tokenizer, dtype=dtype, seed=args.seed,
-              hf_overrides=args.hf_overrides, **engine_kwargs(args))
+              hf_overrides=args.hf_overrides, quantization=args.quantization,
+              **engine_kwargs(args))
     engine = AsyncEngine(llm.engine, max_queued_requests=args.max_queued_requests)
     name = args.served_model_name or model
     path = builtin.resolve(model)

@@ -64,14 +64,15 @@ def main(argv=None):
     name = a.model or a.model_tag
     # The cache regions live beside XLA's pool (transfer/memory.py): size the pool before
     # JAX starts its GPU client below, for the weights one device of the mesh holds.
-    total = size_xla_pool(param_bytes(name, a.dtype or "bfloat16", a.ep, a.tp, a.hf_overrides),
+    total = size_xla_pool(param_bytes(name, a.dtype or "bfloat16", a.ep, a.tp, a.hf_overrides,
+                                      a.quantization),
                           a.gpu_memory_utilization)
     if total:
         log.info("XLA pool: %s of %.1f GiB", os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"],
                  total / 2**30)
     dtype = jnp.dtype(a.dtype) if a.dtype else default_dtype()
     config = EngineConfig(seed=a.seed, **engine_kwargs(a))
-    model = load_model(name, dtype, a.seed, config.mesh(), a.hf_overrides)
+    model = load_model(name, dtype, a.seed, config.mesh(), a.hf_overrides, a.quantization)
     config.eos_token_ids = tuple(model.config.eos_token_ids)
     t0 = time.perf_counter()
     common = dict(model_name=name, dtype=dtype, secret=secret, lease_ttl=a.lease_ttl,

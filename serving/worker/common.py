@@ -124,7 +124,7 @@ class WorkerBase:
 
 
 def param_bytes(model: str, dtype: str, ep: int = 1, tp: int = 1,
-                hf_overrides: dict | None = None) -> int:
+                hf_overrides: dict | None = None, quantization: str | None = None) -> int:
     """Bytes of the model's weights that one device of the engine's ``(1, ep, tp)`` mesh
     holds, from the shapes and ``qwen35_jax.sharding``'s table (nothing is allocated and
     no device is asked: JAX's GPU client must not start before ``size_xla_pool``)."""
@@ -133,7 +133,7 @@ def param_bytes(model: str, dtype: str, ep: int = 1, tp: int = 1,
     import qwen35_jax
     from qwen35_jax.sharding import AXES, param_shardings
 
-    cfg = model_config(model, hf_overrides)
+    cfg = model_config(model, hf_overrides, quantization)
     state = nnx.state(qwen35_jax.abstract_model(cfg, jnp.dtype(dtype)))
     shardings = param_shardings(cfg, state, jax.sharding.AbstractMesh((1, ep, tp), AXES))
     return sum(math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
