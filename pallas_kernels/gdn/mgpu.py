@@ -96,9 +96,10 @@ def snapshot_table(tab, gam, ends):
     gate at row r - 1. Ends in no sequence (``ok`` false) sort past every entry."""
     C = tab["start"].shape[0]
     ends = jnp.asarray(ends, jnp.int32)
-    seq, ok = locate_snapshots(jnp.asarray(tab["cu"]), tab["cu"][-1], ends)
+    cu = jnp.asarray(tab["cu"])
+    seq, ok = locate_snapshots(cu, cu[-1], ends)
     blk = (ends - 1) // CHUNK
-    c = jnp.asarray(tab["seq_first_chunk"])[seq] + blk - jnp.asarray(tab["cu"])[seq] // CHUNK
+    c = jnp.asarray(tab["seq_first_chunk"])[seq] + blk - cu[seq] // CHUNK
     c = jnp.where(ok, c, C).astype(jnp.int32)
     order = jnp.argsort(c, stable=True).astype(jnp.int32)
     cs = c[order]
