@@ -142,7 +142,10 @@ class DecodeWorker(WorkerBase):
             if not future.done():
                 future.set_result(None) if error is None else future.set_exception(error)
 
-        loop.call_soon_threadsafe(resolve)
+        try:
+            loop.call_soon_threadsafe(resolve)
+        except RuntimeError:  # the loop is closed: no caller is left to tell
+            pass
 
     def _fail(self, eng, request_id: str, error: TransferFailed) -> None:
         """End a request whose transfer cannot go on, and free what it holds."""
