@@ -38,7 +38,7 @@ import threading
 import httpx
 
 from serving import secret as shared_secret
-from serving.api.server import parser as server_parser
+from serving.api.server import API_FLAGS, API_SWITCHES, parser as server_parser
 from serving.ports import free_port
 
 log = logging.getLogger("serving")
@@ -50,12 +50,15 @@ LAUNCHER_FLAGS = frozenset({"--prefill-workers", "--decode-workers", "--prefill-
                             "--decode-args", "--max-worker-restarts"})
 
 
-def without_flags(argv: list[str], names) -> list[str]:
-    """`argv` without the flags in `names` and their values (``--f v`` or ``--f=v``)."""
+def without_flags(argv: list[str], names, switches=frozenset()) -> list[str]:
+    """`argv` without the flags in `names` and their values (``--f v`` or ``--f=v``), and
+    without the flags in `switches`, which take none."""
     out, skip = [], False
     for a in argv:
         if skip:
             skip = False
+            continue
+        if a in switches:
             continue
         if a.split("=", 1)[0] in names:
             skip = "=" not in a
@@ -66,8 +69,9 @@ def without_flags(argv: list[str], names) -> list[str]:
 
 def worker_flags(args, argv: list[str]) -> list[str]:
     """The engine flags given on our command line, passed through to the workers."""
-    return without_flags(argv, LAUNCHER_FLAGS | {
-        "--port", "--host", "--startup-timeout", "--served-model-name", "--api-key"})
+    return without_flags(argv, LAUNCHER_FLAGS | API_FLAGS | {
+        "--port", "--host", "--startup-timeout", "--served-model-name", "--api-key"},
+        switches=API_SWITCHES)
 
 
 def gpus() -> list[str]:
@@ -188,7 +192,7 @@ def main(argv=None) -> None:
     import uvicorn
 
     from serving.api.app import build_app
-    from serving.api.server import api_key
+    from serving.api.server import api_key, chat_options
     from serving.api.text import Tokenizer, find_tokenizer
     from serving.router import Router
 
@@ -212,7 +216,8 @@ def main(argv=None) -> None:
         router = Router.from_workers(prefill, decode, secret=secret)
         tokenizer = Tokenizer(find_tokenizer(model, args.tokenizer))
         app = build_app(router, tokenizer, args.served_model_name or model,
-                        api_key=api_key(args), max_request_bytes=args.max_request_bytes)
+                        api_key=api_key(args), max_request_bytes=args.max_request_bytes,
+                        options=chat_options(args, model))
         log.info("serving %s on http://%s:%d (prefill %s, decode %s)", model, args.host,
                  args.port, prefill, decode)
         # Open streams must not hold a Ctrl-C or SIGTERM hostage: after the grace period

@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP app over any `Backend`.
 
     POST /v1/completions       prompt: text, texts, token ids or lists of token ids
-    POST /v1/chat/completions  messages through the tokenizer's chat template
-    GET  /v1/models, /health, /metrics
+    POST /v1/chat/completions  messages (and tools) through the tokenizer's chat template
+    POST /tokenize, /detokenize
+    GET  /v1/models, /health, /ping, /version, /metrics
 
 A request is checked completely (body schema, then model-dependent limits)
 before any of it reaches the backend, and all of its engine requests are
@@ -11,10 +12,12 @@ and never a broken stream. A client that disconnects aborts its requests.
 Bodies over `max_request_bytes` are refused (413) before they are read whole,
 and prompts are tokenized on a worker thread, so a huge prompt stalls no other
 stream and no health check. With `api_key`, the /v1 routes require
-`Authorization: Bearer <api_key>` (401), as `vllm serve --api-key` does.
+`Authorization: Bearer <api_key>` (401), as `vllm serve --api-key` does, and so do
+/tokenize and /detokenize (which vLLM leaves open: they cost the server work).
 """
 
 import contextlib
+import importlib.metadata
 import time
 import uuid
 
@@ -26,10 +29,14 @@ from serving.api import errors, render
 from serving.api.backend import Backend
 from serving.api.generate import close_all, merged, start_timers, submit, until_disconnect
 from serving.api.metrics import CONTENT_TYPE, Metrics
-from serving.api.prepare import Limits, chat_jobs, completion_jobs
+from serving.api.prepare import (ChatOptions, Limits, Prompt, chat_jobs, chat_message,
+                                 check_model, check_prompt, completion_jobs, render_chat,
+                                 template_kwargs)
 from serving.api.protocol import (ChatCompletionChunk, ChatCompletionRequest,
                                   ChatCompletionResponse, CompletionRequest, CompletionResponse,
-                                  ErrorResponse, ModelCard, ModelList)
+                                  DetokenizeRequest, DetokenizeResponse, ErrorResponse,
+                                  ModelCard, ModelList, TokenizeChatRequest,
+                                  TokenizeCompletionRequest, TokenizeResponse, VersionResponse)
 from serving.api.text import Tokenizer
 from serving.body_limit import DEFAULT_MAX_BYTES, BodyLimit
 from serving.secret import bearer_matches
@@ -69,7 +76,8 @@ class EventStream(StreamingResponse):
 
 def build_app(backend: Backend, tokenizer: Tokenizer, model_name: str, *,
               model_path: str | None = None, api_key: str | None = None,
-              max_request_bytes: int = DEFAULT_MAX_BYTES) -> FastAPI:
+              max_request_bytes: int = DEFAULT_MAX_BYTES,
+              options: ChatOptions = ChatOptions()) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
@@ -102,6 +110,42 @@ def build_app(backend: Backend, tokenizer: Tokenizer, model_name: str, *,
             return errors.error_response(errors.APIError(str(e), status=503))
         return Response(status_code=200)
 
+    @app.api_route("/ping", methods=["GET", "POST"], response_class=Response,
+                   responses={200: {"description": "Healthy (empty body)"},
+                              503: {"model": ErrorResponse, "description": "The engine stopped"}})
+    async def ping():
+        """/health under the name load balancers of some platforms probe (vLLM's)."""
+        return await health()
+
+    @app.get("/version", response_model=VersionResponse)
+    async def version():
+        return VersionResponse(version=importlib.metadata.version("qwen35-jax"))
+
+    @app.post("/tokenize", response_model=TokenizeResponse, dependencies=keyed,
+              responses=_ERRORS)
+    async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest):
+        """A prompt's token ids, as /v1/completions or (with `messages`) as
+        /v1/chat/completions would compute it."""
+        check_model(body.model, limits)
+        ids = await run_in_threadpool(_tokens, body)
+        return TokenizeResponse(count=len(ids), max_model_len=limits.max_model_len, tokens=ids)
+
+    def _tokens(body) -> list[int]:
+        if isinstance(body, TokenizeCompletionRequest):
+            return tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        messages = [chat_message(m, i) for i, m in enumerate(body.messages)]
+        tools = [t.model_dump(exclude_none=True) for t in body.tools or []] or None
+        text = render_chat(tokenizer, messages, tools, template_kwargs(body.chat_template_kwargs),
+                           add_generation_prompt=body.add_generation_prompt)
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, dependencies=keyed,
+              responses=_ERRORS)
+    async def detokenize(body: DetokenizeRequest):
+        check_model(body.model, limits)
+        check_prompt(Prompt(body.tokens), limits, "tokens")
+        return DetokenizeResponse(prompt=await run_in_threadpool(tokenizer.decode, body.tokens))
+
     @app.get("/metrics", response_class=Response,
              responses={200: {"description": "Prometheus text format",
                               "content": {CONTENT_TYPE.split(";")[0]: {}}}})
@@ -117,20 +161,18 @@ def build_app(backend: Backend, tokenizer: Tokenizer, model_name: str, *,
               responses={**_ERRORS, **_stream_doc(CompletionResponse)})
     async def completions(body: CompletionRequest, request: Request):
         start = time.perf_counter()
-        jobs = await run_in_threadpool(completion_jobs, body, tokenizer, limits)
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        jobs = await run_in_threadpool(completion_jobs, body, tokenizer, limits, options)
         renderer = render.StreamRenderer(False, f"cmpl-{uuid.uuid4().hex}", model_name, jobs,
-                                         tokenizer, echo=body.echo, include_usage=include_usage)
+                                         tokenizer, echo=body.echo, **_usage_options(body))
         return await _run(request, jobs, renderer, body.stream, start, echo=body.echo)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
               dependencies=keyed, responses={**_ERRORS, **_stream_doc(ChatCompletionChunk)})
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         start = time.perf_counter()
-        jobs = await run_in_threadpool(chat_jobs, body, tokenizer, limits)
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        jobs = await run_in_threadpool(chat_jobs, body, tokenizer, limits, options)
         renderer = render.StreamRenderer(True, f"chatcmpl-{uuid.uuid4().hex}", model_name, jobs,
-                                         tokenizer, include_usage=include_usage)
+                                         tokenizer, **_usage_options(body))
         return await _run(request, jobs, renderer, body.stream, start)
 
     async def _run(request: Request, jobs, renderer: render.StreamRenderer, stream: bool,
@@ -151,6 +193,12 @@ def build_app(backend: Backend, tokenizer: Tokenizer, model_name: str, *,
                                           echo=echo)
 
     return app
+
+
+def _usage_options(body) -> dict:
+    o = body.stream_options
+    return dict(include_usage=bool(o and o.include_usage),
+                continuous_usage=bool(o and o.continuous_usage_stats))
 
 
 async def _collect(outputs, n: int) -> list:

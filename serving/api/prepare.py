@@ -1,14 +1,17 @@
 """From a validated request body to engine requests: prompts as token ids and
 `SamplingParams`, with every check that depends on the served model (context
-length, vocabulary, `max_logprobs`) raising an `APIError` that names the
+length, vocabulary, `max_logprobs`, what its chat template renders) or on the
+server's options (parsers, sampling defaults) raising an `APIError` that names the
 field. Nothing reaches the backend unless all of a request's prompts pass, so
 a bad request never disturbs the others.
 """
 
-from dataclasses import dataclass, replace
+import json
+from dataclasses import dataclass, field, replace
 
+from serving.api.chat_output import ChatParsing
 from serving.api.errors import APIError
-from serving.api.protocol import ChatCompletionRequest, CompletionRequest
+from serving.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from serving.api.text import Tokenizer
 from serving.engine import SamplingParams
 
@@ -17,7 +20,15 @@ from serving.engine import SamplingParams
 UNSUPPORTED = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1,
                "logit_bias": {}, "best_of": 1, "suffix": "", "prompt_logprobs": None,
                "min_tokens": 0, "bad_words": [], "allowed_token_ids": None,
-               "response_format": None, "tools": [], "guided_json": None}
+               "response_format": None, "guided_json": None, "functions": None,
+               "function_call": None}
+# Arguments of `apply_chat_template` itself, which `chat_template_kwargs` may not set.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "tokenize",
+    "add_generation_prompt", "continue_final_message", "return_dict", "return_tensors",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "padding", "truncation",
+    "max_length"})
+SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p")  # read from generation_config
 GREEDY_BELOW = 1e-5  # temperatures under this are greedy (vLLM's _SAMPLING_EPS)
 # Temperatures over this sample uniformly anyway; the cap keeps them finite in float32.
 MAX_TEMPERATURE = 1e4
@@ -36,6 +47,7 @@ class Job:
     index: int
     prompt: Prompt
     params: SamplingParams
+    parsing: ChatParsing = field(default_factory=ChatParsing)  # how a chat reply is read
 
 
 @dataclass
@@ -44,6 +56,15 @@ class Limits:
     max_model_len: int
     max_logprobs: int
     vocab_size: int
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """The server's options for reading requests and replies (vLLM's flags)."""
+    reasoning_parser: str | None = None  # --reasoning-parser (qwen3)
+    tool_call_parser: str | None = None  # --tool-call-parser (hermes, qwen3_coder)
+    auto_tool_choice: bool = False  # --enable-auto-tool-choice
+    sampling_defaults: dict = field(default_factory=dict)  # from generation_config.json
 
 
 def check_supported(body) -> None:
@@ -73,13 +94,87 @@ def completion_prompts(body: CompletionRequest, tok: Tokenizer) -> list[Prompt]:
     return prompts
 
 
-def chat_prompt(body: ChatCompletionRequest, tok: Tokenizer) -> Prompt:
-    messages = [{"role": m.role, "content": _content(m.content)} for m in body.messages]
+def chat_prompt(body: ChatCompletionRequest, tok: Tokenizer,
+                options: ChatOptions) -> tuple[Prompt, ChatParsing]:
+    """The prompt of a chat request, and how its reply is to be read."""
+    messages = [chat_message(m, i) for i, m in enumerate(body.messages)]
+    tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
+    by_name = {t["function"]["name"]: t["function"] for t in tools}
+    if len(by_name) < len(tools):
+        raise APIError("tools: function names must be unique", "tools")
+    tool_parser = _tool_parser(body, options)
+    kwargs = template_kwargs(body.chat_template_kwargs)
+    text = render_chat(tok, messages, tools or None, kwargs)
+    if tools and text == render_chat(tok, messages, None, kwargs):
+        raise APIError("tools: this model's chat template does not render tools", "tools")
+    parsing = ChatParsing.of(text, options.reasoning_parser is not None, tool_parser, by_name)
+    return Prompt(tok.encode(text, add_special_tokens=False)), parsing
+
+
+def render_chat(tok: Tokenizer, messages: list[dict], tools, kwargs: dict,
+                add_generation_prompt: bool = True) -> str:
     try:
-        ids = tok.chat_prompt(messages)
+        return tok.chat_text(messages, tools, add_generation_prompt=add_generation_prompt,
+                             **kwargs)
     except Exception as e:  # noqa: BLE001 -- templates raise anything (jinja, ValueError)
         raise APIError(f"messages: cannot apply the chat template: {e}", "messages") from e
-    return Prompt(ids)
+
+
+def template_kwargs(kwargs: dict | None) -> dict:
+    bad = sorted(set(kwargs or {}) & RESERVED_TEMPLATE_KWARGS)
+    if bad:
+        raise APIError(f"chat_template_kwargs: {', '.join(bad)} cannot be set here",
+                       "chat_template_kwargs")
+    return dict(kwargs or {})
+
+
+def _tool_parser(body: ChatCompletionRequest, options: ChatOptions) -> str | None:
+    """The parser that reads this reply's tool calls (None: they stay content)."""
+    choice = body.tool_choice
+    if choice is None:
+        choice = "auto" if body.tools else "none"
+    if choice == "none":
+        return None
+    if not body.tools:
+        raise APIError("tool_choice: needs tools", "tool_choice")
+    if choice != "auto":
+        raise APIError("tool_choice: only \"auto\" and \"none\" are served (\"required\" and "
+                       "a named function need guided decoding)", "tool_choice")
+    if not (options.auto_tool_choice and options.tool_call_parser):
+        raise APIError("tool_choice: \"auto\" tool choice requires --enable-auto-tool-choice "
+                       "and --tool-call-parser to be set", "tool_choice")
+    return options.tool_call_parser
+
+
+def chat_message(m: ChatMessage, i: int) -> dict:
+    out = {"role": m.role, "content": _content(m.content)}
+    if m.name is not None:
+        out["name"] = m.name
+    if m.reasoning_content is not None:
+        out["reasoning_content"] = m.reasoning_content
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    if m.tool_calls:
+        if m.role != "assistant":
+            raise APIError(f"messages[{i}].tool_calls: only assistant messages call tools",
+                           "messages")
+        out["tool_calls"] = [
+            {"id": c.id, "type": "function",
+             "function": {"name": c.function.name,
+                          "arguments": _arguments(c.function.arguments, f"messages[{i}]")}}
+            for c in m.tool_calls]
+    return out
+
+
+def _arguments(text: str, where: str) -> dict:
+    """A tool call's arguments as the template renders them: a JSON object."""
+    try:
+        args = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise APIError(f"{where}.tool_calls: arguments are not JSON: {e}", "messages") from e
+    if not isinstance(args, dict):
+        raise APIError(f"{where}.tool_calls: arguments must be a JSON object", "messages")
+    return args
 
 
 def _content(content) -> str:
@@ -102,8 +197,10 @@ def check_prompt(prompt: Prompt, limits: Limits, field: str) -> None:
                        f"no room for output", field)
 
 
-def sampling_params(body, *, max_tokens: int, logprobs: int | None,
-                    limits: Limits) -> SamplingParams:
+def sampling_params(body, *, max_tokens: int, logprobs: int | None, limits: Limits,
+                    defaults: dict) -> SamplingParams:
+    """`defaults`: the checkpoint's sampling defaults, for the fields a request leaves
+    unset (vLLM's `--generation-config auto`)."""
     if logprobs is not None and logprobs > limits.max_logprobs:
         field = "top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs"
         raise APIError(f"{field}: at most {limits.max_logprobs} are served, got {logprobs}",
@@ -115,15 +212,19 @@ def sampling_params(body, *, max_tokens: int, logprobs: int | None,
     if any(t >= limits.vocab_size for t in stop_ids):
         raise APIError(f"stop_token_ids: ids must be below the vocabulary size "
                        f"{limits.vocab_size}", "stop_token_ids")
-    temperature = 1.0 if body.temperature is None else body.temperature
-    top_k = body.top_k or 0
+    def given(name, fallback):
+        value = getattr(body, name)
+        return defaults.get(name, fallback) if value is None else value
+
+    temperature = given("temperature", 1.0)
+    top_k = given("top_k", 0) or 0
     try:
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=0.0 if temperature < GREEDY_BELOW else min(temperature, MAX_TEMPERATURE),
             top_k=min(top_k, limits.vocab_size) if top_k > 0 else 0,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            min_p=body.min_p or 0.0,
+            top_p=given("top_p", 1.0),
+            min_p=given("min_p", 0.0),
             seed=None if body.seed is None else body.seed % 2**32,
             stop=stop, stop_token_ids=stop_ids,
             include_stop_str_in_output=body.include_stop_str_in_output,
@@ -151,7 +252,8 @@ def jobs(prompts: list[Prompt], n: int, params: SamplingParams) -> list[Job]:
     return out
 
 
-def completion_jobs(body: CompletionRequest, tok: Tokenizer, limits: Limits) -> list[Job]:
+def completion_jobs(body: CompletionRequest, tok: Tokenizer, limits: Limits,
+                    options: ChatOptions) -> list[Job]:
     check_supported(body)
     check_model(body.model, limits)
     prompts = completion_prompts(body, tok)
@@ -159,14 +261,16 @@ def completion_jobs(body: CompletionRequest, tok: Tokenizer, limits: Limits) -> 
     for prompt in prompts:
         check_prompt(prompt, limits, "prompt")
         check_length(prompt, max_tokens, limits, "max_tokens")
-    params = sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs, limits=limits)
+    params = sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs, limits=limits,
+                             defaults=options.sampling_defaults)
     return jobs(prompts, body.n, params)
 
 
-def chat_jobs(body: ChatCompletionRequest, tok: Tokenizer, limits: Limits) -> list[Job]:
+def chat_jobs(body: ChatCompletionRequest, tok: Tokenizer, limits: Limits,
+              options: ChatOptions) -> list[Job]:
     check_supported(body)
     check_model(body.model, limits)
-    prompt = chat_prompt(body, tok)
+    prompt, parsing = chat_prompt(body, tok, options)
     check_prompt(prompt, limits, "messages")
     field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     max_tokens = body.max_completion_tokens or body.max_tokens
@@ -174,5 +278,6 @@ def chat_jobs(body: ChatCompletionRequest, tok: Tokenizer, limits: Limits) -> li
         max_tokens = limits.max_model_len - len(prompt.token_ids)
     check_length(prompt, max_tokens, limits, field)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, limits=limits)
-    return jobs([prompt], body.n, params)
+    params = sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, limits=limits,
+                             defaults=options.sampling_defaults)
+    return [replace(j, parsing=parsing) for j in jobs([prompt], body.n, params)]

@@ -1,5 +1,7 @@
 """Request and response bodies in the shapes of OpenAI's API, with vLLM's extras
-(`top_k`, `min_p`, `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`).
+(`top_k`, `min_p`, `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`,
+`chat_template_kwargs`, `continuous_usage_stats`, `reasoning_content`, the
+`/tokenize` and `/detokenize` bodies).
 
 Range limits live here as field constraints, so that they are checked before a
 request reaches the engine and appear in the OpenAPI document that clients and
@@ -42,6 +44,7 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # usage in every chunk, as vLLM's
 
 
 class _SamplingFields(_Body):
@@ -75,9 +78,50 @@ class TextPart(_Body):
     text: Text
 
 
+FunctionName = Annotated[str, Field(min_length=1, max_length=256,
+                                     pattern=r"^[^<>\s]+$")]  # no markup, no spaces
+
+
+class FunctionDefinition(_Body):
+    name: FunctionName
+    description: Text | None = None
+    parameters: dict | None = None  # a JSON Schema object
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: FunctionName
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class FunctionCallIn(_Body):
+    name: FunctionName
+    arguments: Text  # a JSON object, as the API returned it
+
+
+class ToolCallIn(_Body):
+    """A tool call of an earlier assistant turn, sent back in the history."""
+    id: Text | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Text | list[TextPart] | None = None
+    name: Text | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant turns
+    tool_call_id: Text | None = None  # tool turns
+    reasoning_content: Text | None = None  # assistant turns, as this server returned it
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -86,6 +130,29 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict | None = None
+
+
+class TokenizeCompletionRequest(_Body):
+    model: Text | None = None
+    prompt: Text
+    add_special_tokens: bool = True
+
+
+class TokenizeChatRequest(_Body):
+    model: Text | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
+    chat_template_kwargs: dict | None = None
+
+
+class DetokenizeRequest(_Body):
+    model: Text | None = None
+    tokens: list[TokenId]
 
 
 # ---- responses ------------------------------------------------------------
@@ -139,9 +206,22 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob]
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -161,9 +241,19 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
+class DeltaToolCall(BaseModel):
+    """A whole tool call in one delta: it is sent once its block is complete."""
+    index: int
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):
@@ -197,6 +287,20 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str
 
 
 class ErrorInfo(BaseModel):

@@ -2,12 +2,15 @@
 
 Text is made here from token ids, not taken from the backend, so a backend
 never handles text: the output text skips special tokens, and a stop string
-cuts it where the engine found it (the engine's `stop_reason`).
+cuts it where the engine found it (the engine's `stop_reason`). A chat reply's
+text is then split into reasoning, content and tool calls (chat_output.py); a
+reply that calls a tool and then stops has the finish reason "tool_calls".
 """
 
 import json
 import time
 
+from serving.api.chat_output import ChatStream, message_fields
 from serving.api.prepare import Job
 from serving.api.protocol import (AssistantMessage, ChatChoice, ChatCompletionChunk,
                                   ChatCompletionResponse, ChatLogprobs, ChatStreamChoice,
@@ -37,8 +40,8 @@ def final_text(tok: Tokenizer, out: RequestOutput, job: Job) -> str:
 
 def usage(jobs: list[Job], outs: list[RequestOutput | None]) -> UsageInfo:
     """Each prompt counts once, however many choices it has (vLLM's convention), and so
-    do its cached tokens (the most any of its choices found). `outs[i]` is job i's final
-    output, None if it has none."""
+    do its cached tokens (the most any of its choices found). `outs[i]` is job i's
+    latest output, None if it has none."""
     prompt = sum(len(p.token_ids) for p in {id(j.prompt): j.prompt for j in jobs}.values())
     completion = sum(len(o.token_ids) for o in outs if o is not None)
     cached: dict[int, int] = {}
@@ -94,6 +97,10 @@ def completion_response(request_id: str, model: str, jobs: list[Job], outs: list
                               usage=usage(jobs, outs))
 
 
+def _finish_reason(out: RequestOutput, called_tools: bool) -> str | None:
+    return "tool_calls" if called_tools and out.finish_reason == "stop" else out.finish_reason
+
+
 def chat_response(request_id: str, model: str, jobs: list[Job], outs: list[RequestOutput],
                   tok: Tokenizer) -> ChatCompletionResponse:
     choices = []
@@ -101,9 +108,9 @@ def chat_response(request_id: str, model: str, jobs: list[Job], outs: list[Reque
         lp = None
         if out.logprobs is not None:
             lp = chat_logprobs(tok, out.token_ids, out.logprobs, job.params.logprobs)
-        choices.append(ChatChoice(index=job.index,
-                                  message=AssistantMessage(content=final_text(tok, out, job)),
-                                  logprobs=lp, finish_reason=out.finish_reason,
+        message = AssistantMessage(**message_fields(final_text(tok, out, job), job.parsing))
+        choices.append(ChatChoice(index=job.index, message=message, logprobs=lp,
+                                  finish_reason=_finish_reason(out, bool(message.tool_calls)),
                                   stop_reason=out.stop_reason))
     return ChatCompletionResponse(id=request_id, model=model, choices=choices,
                                   usage=usage(jobs, outs))
@@ -121,18 +128,25 @@ def _echo_text(tok: Tokenizer, job: Job) -> str:
 
 class StreamRenderer:
     """The events of one streamed response, choice by choice as outputs arrive:
-    text deltas (held back near possible stop strings), logprobs of the new
-    tokens, the finish reason, then usage if asked, then `[DONE]`."""
+    text deltas (held back near possible stop strings; in a chat, split into
+    reasoning, content and whole tool calls), logprobs of the new tokens, the
+    finish reason, then usage if asked (with `continuous_usage`, in every event
+    too), then `[DONE]`."""
 
     def __init__(self, chat: bool, request_id: str, model: str, jobs: list[Job],
-                 tok: Tokenizer, *, echo: bool = False, include_usage: bool = False):
+                 tok: Tokenizer, *, echo: bool = False, include_usage: bool = False,
+                 continuous_usage: bool = False):
         self.chat, self.id, self.model, self.jobs, self.tok = chat, request_id, model, jobs, tok
-        self.include_usage = include_usage
+        self.include_usage, self.continuous_usage = include_usage, continuous_usage
         self.created = int(time.time())
         self.decoders = [IncrementalDecoder(tok, _holdback(j)) for j in jobs]
         self.prefix = [_echo_text(tok, j) if echo else "" for j in jobs]
         self.offsets = [len(p) for p in self.prefix]
         self.finals: list[RequestOutput | None] = [None] * len(jobs)
+        self.latest: list[RequestOutput | None] = [None] * len(jobs)
+        self.texts = [""] * len(jobs)  # each choice's text sent so far
+        self.chats = [ChatStream(j.parsing) for j in jobs]
+        self.called_tools = [False] * len(jobs)
 
     def start(self) -> list[str]:
         if not self.chat:
@@ -143,6 +157,7 @@ class StreamRenderer:
     def update(self, i: int, out: RequestOutput) -> list[str]:
         job, dec = self.jobs[i], self.decoders[i]
         new = out.new_token_ids
+        self.latest[i] = out
         if out.finished:  # the final text, not the new tokens: they may run past a stop string
             self.finals[i] = out
             text = self.prefix[i] + dec.finish(final_text(self.tok, out, job))
@@ -150,9 +165,17 @@ class StreamRenderer:
             text = self.prefix[i] + dec.push(new)
         self.prefix[i] = ""
         lps = out.logprobs[len(out.logprobs) - len(new):] if out.logprobs is not None else None
+        if self.chat:
+            self.texts[i] += text
+            delta = self.chats[i].update(self.texts[i], out.finished)
+            if delta is not None and delta.tool_calls:
+                self.called_tools[i] = True
+            if not (delta or out.finished or lps):
+                return []
+            return [self._chat_choice(i, delta or DeltaMessage(), new, lps, out)]
         if not (text or out.finished or lps):
             return []
-        return [self._choice(i, text, new, lps, out)]
+        return [self._completion_choice(i, text, new, lps, out)]
 
     def end(self) -> list[str]:
         events = []
@@ -166,24 +189,29 @@ class StreamRenderer:
                                                      model=self.model, choices=[], usage=u)))
         return events + [DONE]
 
-    def _choice(self, i, text, new, lps, out) -> str:
+    def _chat_choice(self, i, delta: DeltaMessage, new, lps, out) -> str:
         job = self.jobs[i]
-        reason = out.finish_reason if out.finished else None
-        stop_reason = out.stop_reason if out.finished else None
-        if self.chat:
-            lp = chat_logprobs(self.tok, new, lps, job.params.logprobs) if lps else None
-            return self._chat_chunk(ChatStreamChoice(
-                index=job.index, delta=DeltaMessage(content=text), logprobs=lp,
-                finish_reason=reason, stop_reason=stop_reason))
+        lp = chat_logprobs(self.tok, new, lps, job.params.logprobs) if lps else None
+        return self._chat_chunk(ChatStreamChoice(
+            index=job.index, delta=delta, logprobs=lp,
+            finish_reason=_finish_reason(out, self.called_tools[i]) if out.finished else None,
+            stop_reason=out.stop_reason if out.finished else None))
+
+    def _completion_choice(self, i, text, new, lps, out) -> str:
+        job = self.jobs[i]
         lp = None
         if lps:
             lp = completion_logprobs(self.tok, new, lps, self.offsets[i])
         self.offsets[i] += len(text)
-        return sse(CompletionResponse(id=self.id, created=self.created, model=self.model,
-                                      choices=[CompletionChoice(
-                                          index=job.index, text=text, logprobs=lp,
-                                          finish_reason=reason, stop_reason=stop_reason)]))
+        return sse(CompletionResponse(
+            id=self.id, created=self.created, model=self.model, usage=self._running_usage(),
+            choices=[CompletionChoice(index=job.index, text=text, logprobs=lp,
+                                      finish_reason=out.finish_reason if out.finished else None,
+                                      stop_reason=out.stop_reason if out.finished else None)]))
+
+    def _running_usage(self) -> UsageInfo | None:
+        return usage(self.jobs, self.latest) if self.continuous_usage else None
 
     def _chat_chunk(self, choice: ChatStreamChoice) -> str:
         return sse(ChatCompletionChunk(id=self.id, created=self.created, model=self.model,
-                                       choices=[choice]))
+                                       choices=[choice], usage=self._running_usage()))

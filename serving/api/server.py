@@ -18,7 +18,9 @@ import jax
 
 from qwen35_jax import builtin
 from serving.api.app import build_app
+from serving.api.prepare import SAMPLING_DEFAULTS, ChatOptions
 from serving.api.text import Tokenizer, find_tokenizer
+from serving.api.tool_parsers import PARSERS
 from serving.async_engine import AsyncEngine
 from serving.body_limit import DEFAULT_MAX_BYTES
 from serving.engine.buckets import Buckets
@@ -97,8 +99,49 @@ def parser() -> argparse.ArgumentParser:
                    help="expert-parallel size: experts split over ep*tp devices")
     p.add_argument("--tp", "--tensor-parallel-size", type=int, default=1,
                    help="tensor-parallel size: heads and FFN columns split over tp devices")
+    p.add_argument("--reasoning-parser", default=None, choices=["qwen3"],
+                   help="split a chat reply's <think> block into reasoning_content")
+    p.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
+                   help="read <tool_call> blocks of chat replies as tool_calls: hermes (JSON "
+                        "bodies, Qwen3) or qwen3_coder (<function=...> bodies, Qwen3.5)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="let the model call tools (tool_choice \"auto\"); needs "
+                        "--tool-call-parser")
+    p.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                   help="sampling defaults for fields a request leaves unset: auto, the "
+                        "checkpoint's generation_config.json; vllm, none; or that file in DIR")
     p.add_argument("--log-level", default="info")
     return p
+
+
+# The server's own flags (with a value, and switches): the launcher keeps them from the
+# workers.
+API_FLAGS = frozenset({"--reasoning-parser", "--tool-call-parser", "--generation-config"})
+API_SWITCHES = frozenset({"--enable-auto-tool-choice"})
+
+
+def chat_options(args, model: str) -> ChatOptions:
+    """The request and reply options of the flags, with the sampling defaults of
+    ``--generation-config``."""
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser")
+    where = {"auto": builtin.resolve(model), "vllm": None}.get(args.generation_config,
+                                                                args.generation_config)
+    defaults = {}
+    path = where and os.path.join(where, "generation_config.json")
+    if path and os.path.isfile(path):
+        with open(path) as f:
+            config = json.load(f)
+        defaults = {k: config[k] for k in SAMPLING_DEFAULTS if k in config}
+        if defaults:
+            log.info("sampling defaults from %s: %s", path, defaults)
+    elif args.generation_config not in ("auto", "vllm"):
+        raise SystemExit(f"--generation-config: no generation_config.json in "
+                         f"{args.generation_config}")
+    return ChatOptions(reasoning_parser=args.reasoning_parser,
+                       tool_call_parser=args.tool_call_parser,
+                       auto_tool_choice=args.enable_auto_tool_choice,
+                       sampling_defaults=defaults)
 
 
 def engine_kwargs(args) -> dict:
@@ -150,7 +193,8 @@ def build(args) -> tuple:
     path = builtin.resolve(model)
     app = build_app(engine, tokenizer, name, model_path=os.path.abspath(path)
                     if os.path.isdir(path) else model, api_key=api_key(args),
-                    max_request_bytes=args.max_request_bytes)
+                    max_request_bytes=args.max_request_bytes,
+                    options=chat_options(args, model))
     return app, engine
 
 

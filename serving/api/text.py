@@ -62,13 +62,23 @@ class Tokenizer:
             return None
         return bytes(_BYTE_OF_CHAR[c] for c in piece)
 
-    def chat_prompt(self, messages: list[dict]) -> list[int]:
+    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None,
+                    **template_kwargs) -> list[int]:
         """Token ids of a conversation under the chat template, ready for the
         assistant's reply. Raises ValueError without a template."""
+        return self.encode(self.chat_text(messages, tools, **template_kwargs),
+                           add_special_tokens=False)
+
+    def chat_text(self, messages: list[dict], tools: list[dict] | None = None,
+                  add_generation_prompt: bool = True, **template_kwargs) -> str:
+        """The chat prompt as text (`chat_prompt` encodes it). `tools`: OpenAI function
+        definitions for templates that render them; `template_kwargs`: the template's own
+        variables (`enable_thinking`, ...)."""
         if not self.hf.chat_template:
             raise ValueError("this model's tokenizer has no chat template; use /v1/completions")
-        text = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return self.encode(text, add_special_tokens=False)
+        return self.hf.apply_chat_template(messages, tools=tools, tokenize=False,
+                                           add_generation_prompt=add_generation_prompt,
+                                           **template_kwargs)
 
 
 _BYTE_OF_CHAR = {c: b for b, c in bytes_to_unicode().items()}  # byte-level BPE alphabet

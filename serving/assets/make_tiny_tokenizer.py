@@ -2,8 +2,8 @@
 
 The "tiny" presets have random weights and a 512-token vocabulary, so any
 tokenizer of that size lets the server take text: a byte-level BPE (every
-string encodes, every id decodes) with the special tokens and chat template of
-`qwen35_jax.tokenizer_files`.
+string encodes, every id decodes) with the special tokens and the Qwen3.5-style chat
+template (tools, tool calls, thinking) of `qwen35_jax.tokenizer_files`.
 
 The training text is generated here from a fixed seed, so the files do not
 depend on what else is in the repository and rerunning the script reproduces
@@ -82,7 +82,7 @@ def main(out_dir: str | None = None, vocab_size: int = VOCAB_SIZE) -> str:
     tok = build()
     if vocab_size > VOCAB_SIZE:
         tok = pad(tok, vocab_size)
-    tokenizer_files.save(tok, out_dir)
+    tokenizer_files.save(tok, out_dir, chat_template=tokenizer_files.QWEN35_CHAT_TEMPLATE)
     return out_dir
 
 

@@ -1,0 +1,361 @@
+"""Qwen3.5 chat through the official `openai` client: tool calls (hermes and qwen3_coder
+parsers, streamed and not, and in the history), reasoning (`--reasoning-parser qwen3`,
+`chat_template_kwargs`), the checkpoint's sampling defaults, and the vLLM routes
+/tokenize, /detokenize, /version, /ping and `continuous_usage_stats`.
+
+The replies come from a scripted backend that answers each request with a given text,
+one token per output, so what is checked is the server's reading of requests and
+replies; the tokenizer and its Qwen3.5-style chat template are the built-in one's.
+"""
+
+import asyncio
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from serving.api.app import build_app
+from serving.api.chat_output import ChatParsing, ChatStream, message_fields, split
+from serving.api.prepare import ChatOptions
+from serving.api.text import BUILTIN_TOKENIZER, Tokenizer
+from serving.engine import RequestOutput
+from serving.ports import free_port
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"},
+        "metric": {"type": "boolean"}, "zip": {"type": "string"}}}}}
+TOOLS_BY_NAME = {"get_weather": WEATHER["function"]}
+
+XML_CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+            "<parameter=days>\n3\n</parameter>\n<parameter=metric>\ntrue\n</parameter>\n"
+            "<parameter=zip>\n75001\n</parameter>\n</function>\n</tool_call>")
+XML_ARGS = {"city": "Paris", "days": 3, "metric": True, "zip": "75001"}
+JSON_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+
+
+# ---- the reply parser alone --------------------------------------------------
+
+def _every_prefix_is_a_prefix(text: str, parsing: ChatParsing) -> None:
+    whole = split(text, parsing, final=True)
+    for n in range(len(text) + 1):
+        part = split(text[:n], parsing, final=False)
+        assert whole.reasoning.startswith(part.reasoning), (n, part)
+        assert whole.content.startswith(part.content), (n, part)
+        assert whole.calls[:len(part.calls)] == part.calls, (n, part)
+
+
+def _streamed(text: str, parsing: ChatParsing, step: int = 1) -> dict:
+    stream = ChatStream(parsing)
+    got = {"reasoning": "", "content": "", "calls": []}
+    for n in list(range(0, len(text), step)) + [len(text)]:
+        delta = stream.update(text[:n], final=n == len(text))
+        if delta is None:
+            continue
+        got["reasoning"] += delta.reasoning_content or ""
+        got["content"] += delta.content or ""
+        got["calls"] += [(c.function.name, json.loads(c.function.arguments))
+                         for c in delta.tool_calls or []]
+    return got
+
+
+@pytest.mark.parametrize("parser, call, args", [("qwen3_coder", XML_CALL, XML_ARGS),
+                                                ("hermes", JSON_CALL, {"city": "Oslo"})])
+def test_tool_calls_are_read_whole_and_streamed(parser, call, args):
+    parsing = ChatParsing(tool_parser=parser, tools=TOOLS_BY_NAME)
+    text = "Let me look.\n" + call + "\n" + call
+    fields = message_fields(text, parsing)
+    assert fields["content"] == "Let me look.\n\n"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in fields["tool_calls"]] \
+        == [("get_weather", args)] * 2
+    _every_prefix_is_a_prefix(text, parsing)
+    for step in (1, 7):
+        got = _streamed(text, parsing, step)
+        assert got["content"] == fields["content"] and got["calls"] == [("get_weather", args)] * 2
+
+
+def test_a_block_that_does_not_parse_stays_content():
+    parsing = ChatParsing(tool_parser="hermes", tools=TOOLS_BY_NAME)
+    text = "a <tool_call>{not json}</tool_call> b <tool_call>unclosed"
+    fields = message_fields(text, parsing)
+    assert fields["content"] == text and fields["tool_calls"] == []
+    _every_prefix_is_a_prefix(text, parsing)
+    assert _streamed(text, parsing)["content"] == text
+    xml = ChatParsing(tool_parser="qwen3_coder", tools=TOOLS_BY_NAME)
+    stray = "<tool_call>\n<function=f>\nstray text\n</function>\n</tool_call>"
+    assert message_fields(stray, xml)["content"] == stray
+
+
+def test_tool_calls_are_content_without_a_parser():
+    assert message_fields(XML_CALL, ChatParsing())["content"] == XML_CALL
+
+
+@pytest.mark.parametrize("prompt_end, reply, reasoning, content", [
+    ("<|im_start|>assistant\n<think>\n", "I add 2 and 2.\n</think>\n\nIt is 4.",
+     "I add 2 and 2.\n", "It is 4."),
+    ("<|im_start|>assistant\n", "<think>\nHm.\n</think>\n\nFour.", "\nHm.\n", "Four."),
+    ("<|im_start|>assistant\n<think>\n\n</think>\n\n", "Four.", None, "Four."),
+    ("<|im_start|>assistant\n<think>\n", "Still thinking", "Still thinking", None),
+])
+def test_reasoning_is_split_from_the_answer(prompt_end, reply, reasoning, content):
+    parsing = ChatParsing.of("<|im_start|>user\nhi<|im_end|>\n" + prompt_end, True,
+                             "qwen3_coder", TOOLS_BY_NAME)
+    fields = message_fields(reply, parsing)
+    assert fields["reasoning_content"] == reasoning
+    assert (fields["content"] or None) == content
+    _every_prefix_is_a_prefix(reply, parsing)
+    got = _streamed(reply, parsing)
+    assert got["reasoning"] == (reasoning or "") and got["content"] == (content or "")
+    thought_then_call = message_fields("Need weather.</think>\n\n" + XML_CALL,
+                                       ChatParsing(True, True, "qwen3_coder", TOOLS_BY_NAME))
+    assert thought_then_call["reasoning_content"] == "Need weather."
+    assert thought_then_call["content"] is None and len(thought_then_call["tool_calls"]) == 1
+
+
+# ---- through the server ------------------------------------------------------
+
+class Replies:
+    """A backend that answers every request with `reply` (or the first of `queue`), one
+    token per output, and records what it was given."""
+
+    max_model_len, max_logprobs = 4096, 5
+
+    def __init__(self, tok: Tokenizer):
+        self.tok = tok
+        self.reply = "ok"
+        self.requests = []  # (prompt ids, SamplingParams)
+
+    async def add(self, request_id, prompt_token_ids, params):
+        self.requests.append((list(prompt_token_ids), params))
+        ids = self.tok.encode(self.reply, add_special_tokens=False)[:params.max_tokens]
+        finish = "stop" if len(ids) < params.max_tokens else "length"
+        return _Stream(request_id, list(prompt_token_ids), ids, finish)
+
+    async def abort(self, request_id):
+        pass
+
+    def stats(self):
+        return {"num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.0,
+                "state_slot_usage": 0.0, "num_preemptions": 0, "serving_compiles": 0}
+
+    def check_health(self):
+        pass
+
+    def shutdown(self):
+        pass
+
+
+class _Stream:
+    def __init__(self, request_id, prompt, ids, finish):
+        self.args = request_id, prompt, ids, finish
+
+    async def __aiter__(self):
+        request_id, prompt, ids, finish = self.args
+        for i in range(len(ids)):
+            await asyncio.sleep(0)
+            done = i == len(ids) - 1
+            yield RequestOutput(request_id, prompt, ids[:i + 1], [ids[i]], done,
+                                finish_reason=finish if done else None)
+
+    async def aclose(self):
+        pass
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer(BUILTIN_TOKENIZER)
+
+
+def _serve(app):
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.02)
+    return server, thread, f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def served(tok):
+    """name -> (backend, base url) of servers with the parser flags of that name."""
+    options = {
+        "coder": ChatOptions(reasoning_parser="qwen3", tool_call_parser="qwen3_coder",
+                             auto_tool_choice=True),
+        "hermes": ChatOptions(tool_call_parser="hermes", auto_tool_choice=True),
+        "plain": ChatOptions(sampling_defaults={"temperature": 0.0, "top_k": 20}),
+    }
+    running = {}
+    for name, opts in options.items():
+        backend = Replies(tok)
+        server, thread, url = _serve(build_app(backend, tok, "tiny", options=opts))
+        running[name] = (backend, url, server, thread)
+    yield {name: r[:2] for name, r in running.items()}
+    for _, _, server, thread in running.values():
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def client(url):
+    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+
+
+ASK = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
+
+
+def test_a_tool_call_reply_through_the_openai_client(served, tok):
+    backend, url = served["coder"]
+    backend.reply = XML_CALL
+    r = client(url).chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER])
+    (choice,) = r.choices
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == XML_ARGS
+    prompt = tok.hf.decode(backend.requests[-1][0])
+    assert '"name": "get_weather"' in prompt and "<tools>" in prompt  # the template got them
+
+    stream = client(url).chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER],
+                                                 stream=True)
+    calls, reasons, content = [], [], ""
+    for chunk in stream:
+        for c in chunk.choices:
+            calls += c.delta.tool_calls or []
+            content += c.delta.content or ""
+            reasons.append(c.finish_reason)
+    assert content == "" and reasons[-1] == "tool_calls"
+    (call,) = calls
+    assert call.index == 0 and json.loads(call.function.arguments) == XML_ARGS
+
+
+def test_the_hermes_parser_through_the_client(served):
+    backend, url = served["hermes"]
+    backend.reply = "Checking. " + JSON_CALL
+    r = client(url).chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER])
+    m = r.choices[0].message
+    assert m.content == "Checking. " and m.tool_calls[0].function.name == "get_weather"
+    assert json.loads(m.tool_calls[0].function.arguments) == {"city": "Oslo"}
+
+
+def test_tool_calls_and_results_in_the_history_reach_the_template(served, tok):
+    backend, url = served["coder"]
+    backend.reply = "It is sunny."
+    history = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": json.dumps(XML_ARGS)}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 24 C"}]
+    r = client(url).chat.completions.create(model="tiny", messages=history, tools=[WEATHER])
+    assert r.choices[0].message.content == "It is sunny."
+    assert r.choices[0].finish_reason == "stop" and not r.choices[0].message.tool_calls
+    prompt = tok.hf.decode(backend.requests[-1][0])
+    assert ("<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3"
+            in prompt)
+    assert "<tool_response>\nsunny, 24 C\n</tool_response>" in prompt
+
+
+def test_thinking_goes_to_reasoning_content(served, tok):
+    backend, url = served["coder"]
+    backend.reply = "Two and two.\n</think>\n\nFour."
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "2+2?"}],
+              extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    m = client(url).chat.completions.create(**kw).choices[0].message
+    assert tok.hf.decode(backend.requests[-1][0]).endswith("<|im_start|>assistant\n<think>\n")
+    assert m.content == "Four." and m.model_extra["reasoning_content"] == "Two and two.\n"
+    reasoning = content = ""
+    for chunk in client(url).chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            reasoning += c.delta.model_extra.get("reasoning_content") or ""
+            content += c.delta.content or ""
+    assert (reasoning, content) == ("Two and two.\n", "Four.")
+    # thinking off: the template closes the block, and the reply is all content
+    backend.reply = "Four."
+    kw["extra_body"] = {"chat_template_kwargs": {"enable_thinking": False}}
+    m = client(url).chat.completions.create(**kw).choices[0].message
+    assert tok.hf.decode(backend.requests[-1][0]).endswith("<think>\n\n</think>\n\n")
+    assert m.content == "Four." and m.model_extra.get("reasoning_content") is None
+
+
+@pytest.mark.parametrize("name, body, param", [
+    ("plain", {"tools": [WEATHER]}, "tool_choice"),  # auto needs the parser flags
+    ("coder", {"tools": [WEATHER], "tool_choice": "required"}, "tool_choice"),
+    ("coder", {"tools": [WEATHER], "tool_choice": {"type": "function",
+                                                    "function": {"name": "get_weather"}}},
+     "tool_choice"),
+    ("coder", {"tool_choice": "auto"}, "tool_choice"),
+    ("coder", {"tools": [WEATHER, WEATHER]}, "tools"),
+    ("coder", {"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools"),
+    ("coder", {"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+    ("coder", {"messages": ASK + [{"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[1]"}}]}]},
+     "messages"),
+    ("coder", {"messages": [{"role": "user", "content": "x", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
+     "messages"),
+])
+def test_bad_tool_requests_are_400(served, name, body, param):
+    _, url = served[name]
+    r = httpx.post(url + "/v1/chat/completions", json={"messages": ASK, **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param or param in err["message"], err
+
+
+def test_tools_the_template_cannot_render_are_400(tok, tmp_path):
+    from qwen35_jax import builtin
+    plain = Tokenizer(builtin.resolve("tiny-math"))  # its template knows no tools
+    server, thread, url = _serve(build_app(Replies(plain), plain, "tiny-math",
+                                           options=ChatOptions(tool_call_parser="hermes",
+                                                               auto_tool_choice=True)))
+    try:
+        r = httpx.post(url + "/v1/chat/completions", json={"messages": ASK, "tools": [WEATHER]})
+        assert r.status_code == 400 and "does not render tools" in r.json()["error"]["message"]
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def test_the_checkpoints_sampling_defaults_fill_unset_fields(served):
+    backend, url = served["plain"]
+    client(url).chat.completions.create(model="tiny", messages=ASK)
+    params = backend.requests[-1][1]
+    assert params.temperature == 0.0 and params.top_k == 20
+    client(url).completions.create(model="tiny", prompt="x", temperature=0.7, top_p=0.5)
+    params = backend.requests[-1][1]
+    assert (params.temperature, params.top_p, params.top_k) == (0.7, 0.5, 20)
+
+
+def test_tokenize_detokenize_version_ping(served, tok):
+    _, url = served["coder"]
+    r = httpx.post(url + "/tokenize", json={"prompt": "hello world"}).json()
+    assert r["tokens"] == tok.encode("hello world") and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == Replies.max_model_len
+    r = httpx.post(url + "/tokenize", json={"messages": ASK, "tools": [WEATHER]}).json()
+    assert tok.hf.decode(r["tokens"]) == tok.chat_text(ASK, [WEATHER])
+    r = httpx.post(url + "/detokenize", json={"tokens": tok.encode("a cat")})
+    assert r.json() == {"prompt": "a cat"}
+    assert httpx.post(url + "/detokenize", json={"tokens": [10**6]}).status_code == 400
+    assert httpx.post(url + "/tokenize", json={"prompt": 5}).status_code == 400
+    assert httpx.get(url + "/version").json()["version"]
+    assert httpx.get(url + "/ping").status_code == 200 == httpx.post(url + "/ping").status_code
+
+
+def test_continuous_usage_stats(served):
+    backend, url = served["plain"]
+    backend.reply = "one two three four"
+    n = len(backend.tok.encode(backend.reply, add_special_tokens=False))
+    chunks = list(client(url).chat.completions.create(
+        model="tiny", messages=ASK, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert counts == sorted(counts) and counts[-1] == n and len(counts) >= n
+    assert chunks[-1].usage.completion_tokens == n and not chunks[-1].choices
+    plain = list(client(url).chat.completions.create(model="tiny", messages=ASK, stream=True))
+    assert all(c.usage is None for c in plain)
