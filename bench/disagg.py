@@ -112,12 +112,12 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 def server_role(url: str) -> str:
     """"aggregated" for one engine, else "disaggregated": the roles its
-    ``vllm:device_busy_seconds`` counter names (a router names its workers' roles)."""
+    ``qwen35:device_busy_seconds`` counter names (a router names its workers' roles)."""
     async def samples():
         async with httpx.AsyncClient() as client:
             return await scrape(client, url)
 
-    prefix = "vllm:device_busy_seconds_total{"
+    prefix = "qwen35:device_busy_seconds_total{"
     roles = {k[len(prefix):-1] for k in asyncio.run(samples()) if k.startswith(prefix)}
     return "aggregated" if roles == {"aggregated"} else "disaggregated"
 

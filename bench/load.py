@@ -20,13 +20,13 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 from tqdm.auto import tqdm
 
-MEMORY_GAUGES = ("vllm:kv_cache_bytes_in_use", "vllm:state_bytes_in_use")
-TRANSFER_COUNTERS = ("vllm:kv_transfers_total", "vllm:kv_transfer_seconds_total",
-                     "vllm:kv_transfer_ack_seconds_total", "vllm:kv_transfer_bytes_total")
+MEMORY_GAUGES = ("qwen35:kv_cache_bytes_in_use", "qwen35:state_bytes_in_use")
+TRANSFER_COUNTERS = ("vllm:nixl_xfer_time_seconds_count", "vllm:nixl_xfer_time_seconds_sum",
+                     "qwen35:kv_transfer_ack_seconds_total", "vllm:nixl_bytes_transferred_sum")
 PREFIX_COUNTERS = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")
 # per role ("prefill", "decode", "aggregated"): scraped as "<name>{role}"
-DEVICE_COUNTERS = ("vllm:device_busy_seconds_total", "vllm:device_idle_seconds_total",
-                   "vllm:device_steps_total")
+DEVICE_COUNTERS = ("qwen35:device_busy_seconds_total", "qwen35:device_idle_seconds_total",
+                   "qwen35:device_steps_total")
 
 
 def length_bounds(length: int, ratio: float, convention: str) -> tuple[int, int]:

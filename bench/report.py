@@ -27,9 +27,9 @@ def device_figures(server: dict, duration: float) -> dict:
     work queued is held back by its host."""
     out = {}
     for key, busy in server.items():
-        if key.startswith("vllm:device_busy_seconds_total{"):
+        if key.startswith("qwen35:device_busy_seconds_total{"):
             role = key[key.index("{") + 1:-1]
-            steps = server.get(f"vllm:device_steps_total{{{role}}}", 0.0)
+            steps = server.get(f"qwen35:device_steps_total{{{role}}}", 0.0)
             if steps:
                 out[role] = {"busy_share": busy / duration, "steps": steps,
                              "step_ms": 1e3 * busy / steps}
@@ -43,20 +43,20 @@ def summarise(results: list[Result], duration: float, concurrency: int, num_gpus
     ok = [r for r in results if r.ok]
     tin = sum(r.prompt_tokens for r in ok)
     tout = sum(r.output_tokens for r in ok)
-    transfers = server.get("vllm:kv_transfers_total", 0.0)
+    transfers = server.get("vllm:nixl_xfer_time_seconds_count", 0.0)
     queries = server.get("vllm:prefix_cache_queries_total", 0.0)
     return {
         "prefix_cache_hit_rate": (server.get("vllm:prefix_cache_hits_total", 0.0) / queries
                                   if queries else 0.0),
-        "peak_kv_bytes": server.get("vllm:kv_cache_bytes_in_use", 0.0),
-        "peak_state_bytes": server.get("vllm:state_bytes_in_use", 0.0),
+        "peak_kv_bytes": server.get("qwen35:kv_cache_bytes_in_use", 0.0),
+        "peak_state_bytes": server.get("qwen35:state_bytes_in_use", 0.0),
         "transfers": transfers,
-        "mean_transfer_ms": (1e3 * server.get("vllm:kv_transfer_seconds_total", 0.0)
+        "mean_transfer_ms": (1e3 * server.get("vllm:nixl_xfer_time_seconds_sum", 0.0)
                              / transfers if transfers else float("nan")),
-        "mean_transfer_ack_ms": (1e3 * server.get("vllm:kv_transfer_ack_seconds_total", 0.0)
+        "mean_transfer_ack_ms": (1e3 * server.get("qwen35:kv_transfer_ack_seconds_total", 0.0)
                                  / transfers if transfers else float("nan")),
         "device": device_figures(server, duration),
-        "mean_transfer_bytes": (server.get("vllm:kv_transfer_bytes_total", 0.0) / transfers
+        "mean_transfer_bytes": (server.get("vllm:nixl_bytes_transferred_sum", 0.0) / transfers
                                 if transfers else float("nan")),
         "max_concurrency": concurrency, "num_gpus": num_gpus, "duration": duration,
         "completed": len(ok), "failed": len(results) - len(ok),

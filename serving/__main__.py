@@ -11,7 +11,11 @@ server and every worker.  Engine flags are those of ``python -m serving.api``;
 they and the transfer flags of ``python -m serving.worker`` (``--lease-ttl``,
 ``--transfer-timeout``, ``--on-transfer-failure``, ``--transfer-interface``) are passed
 to every worker, and ``--prefill-args`` / ``--decode-args`` add flags for one role (its
-own batch limits or mesh, say).
+own batch limits or mesh, say). Every flag is checked here, before any process starts:
+a mistyped one fails at once. ``--data-parallel-size N`` starts N workers of each role
+(unless ``--prefill-workers`` / ``--decode-workers`` say otherwise); ``--worker-base-port
+P`` puts worker i on HTTP port P + 2i and its transfer handshake on P + 2i + 1 (default:
+free ports).
 
 The router and the workers share a secret generated here for this start and handed to
 the workers in their environment (``serving.secret``), never on a command line; clients
@@ -38,7 +42,7 @@ import threading
 import httpx
 
 from serving import secret as shared_secret
-from serving.api.server import API_FLAGS, API_SWITCHES, parser as server_parser
+from serving.flags import API_FLAGS, API_SWITCHES, add_worker_flags, server_parser
 from serving.ports import free_port
 
 log = logging.getLogger("serving")
@@ -47,7 +51,8 @@ GRACE_SECONDS = 5  # uvicorn waits this long for open streams on shutdown
 
 # Flags of the launcher alone: the aggregated server (``python -m serving.api``) has none.
 LAUNCHER_FLAGS = frozenset({"--prefill-workers", "--decode-workers", "--prefill-args",
-                            "--decode-args", "--max-worker-restarts"})
+                            "--decode-args", "--max-worker-restarts", "--data-parallel-size",
+                            "-dp", "--worker-base-port"})
 
 
 def without_flags(argv: list[str], names, switches=frozenset()) -> list[str]:
@@ -99,9 +104,13 @@ class Workers:
         devices = gpus()
         for role, n in (("prefill", args.prefill_workers), ("decode", args.decode_workers)):
             for _ in range(n):
-                port = free_port()
-                cmd = [sys.executable, "-m", "serving.worker", "--role", role, "--port",
-                       str(port), *flags, *shlex.split(getattr(args, f"{role}_args"))]
+                ports = ["--port", str(free_port())]
+                if args.worker_base_port is not None:
+                    base = args.worker_base_port + 2 * len(self.commands)
+                    ports = ["--port", str(base), "--transfer-port", str(base + 1)]
+                port = int(ports[1])
+                cmd = [sys.executable, "-m", "serving.worker", "--role", role, *flags, *ports,
+                       *shlex.split(getattr(args, f"{role}_args"))]
                 env = {**os.environ, shared_secret.ENV: secret}
                 env.pop(shared_secret.ENV_FILE, None)
                 if devices:
@@ -172,11 +181,13 @@ def supervise(workers: Workers, max_restarts: int, on_give_up, stopping: threadi
 
 
 def parser() -> argparse.ArgumentParser:
-    p = server_parser()
-    p.prog = "python -m serving"
-    p.description = __doc__
-    p.add_argument("--prefill-workers", type=int, default=1)
-    p.add_argument("--decode-workers", type=int, default=1)
+    p = add_worker_flags(server_parser("python -m serving", __doc__))
+    p.add_argument("--prefill-workers", type=int, default=None, help="default: 1, or -dp")
+    p.add_argument("--decode-workers", type=int, default=None, help="default: 1, or -dp")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="workers of each role (vLLM's data-parallel replicas)")
+    p.add_argument("--worker-base-port", type=int, default=None, metavar="PORT",
+                   help="worker i: HTTP on PORT + 2i, transfer handshake on PORT + 2i + 1")
     p.add_argument("--startup-timeout", type=float, default=900.0)
     p.add_argument("--prefill-args", default="",
                    help="flags for the prefill workers only, after the shared ones (which "
@@ -188,16 +199,29 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse(argv: list[str]) -> argparse.Namespace:
+    """The launcher's flags, and the per-role ones checked as a worker would (argparse
+    exits with status 2 and the flag's name on the first mistake)."""
+    p = parser()
+    args = p.parse_args(argv)
+    role_parser = add_worker_flags(server_parser("--prefill-args / --decode-args"))
+    for role in ("prefill", "decode"):
+        role_parser.parse_args(shlex.split(getattr(args, f"{role}_args")))
+        if getattr(args, f"{role}_workers") is None:
+            setattr(args, f"{role}_workers", args.data_parallel_size)
+    return args
+
+
 def main(argv=None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse(argv)  # before the heavy imports: --help and bad flags answer at once
     import uvicorn
 
     from serving.api.app import build_app
-    from serving.api.server import api_key, chat_options
+    from serving.api.server import api_key, server_options
     from serving.api.text import Tokenizer, find_tokenizer
     from serving.router import Router
 
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args, _ = parser().parse_known_args(argv)  # the rest are worker flags (see serving.worker)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s router %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per worker poll otherwise
@@ -217,7 +241,7 @@ def main(argv=None) -> None:
         tokenizer = Tokenizer(find_tokenizer(model, args.tokenizer))
         app = build_app(router, tokenizer, args.served_model_name or model,
                         api_key=api_key(args), max_request_bytes=args.max_request_bytes,
-                        options=chat_options(args, model))
+                        options=server_options(args, model))
         log.info("serving %s on http://%s:%d (prefill %s, decode %s)", model, args.host,
                  args.port, prefill, decode)
         # Open streams must not hold a Ctrl-C or SIGTERM hostage: after the grace period

@@ -286,6 +286,7 @@ class AsyncEngine:
             "serving_compiles": m["serving_compiles"],
             "prefix_cache_queries": m["prefix_cache_queries"],
             "prefix_cache_hits": m["prefix_cache_hits"],
+            "iteration_tokens": m.get("iteration_tokens"),
             **{k: m[k] for k in ("device_busy_s", "device_idle_s", "device_steps") if k in m},
         }
 

@@ -10,8 +10,10 @@
 Prompts are token-id lists; strings are accepted when a tokenizer is given
 (or found in the checkpoint directory). Keyword arguments are EngineConfig
 fields (max_num_seqs, max_num_batched_tokens, max_model_len, num_blocks, ...);
+on a CPU the unset ones take the servers' small CPU defaults (`engine_defaults`).
 `ep`/`tp` place the weights and the cache on a mesh of ep*tp devices
-(`LLM("tiny-moe", ep=2, tp=2)`).
+(`LLM("tiny-moe", ep=2, tp=2)`). Compiled programs are kept in XLA's persistent
+cache (`compilation_cache_dir`), so a second start compiles nothing.
 """
 
 import os
@@ -21,7 +23,28 @@ import jax.numpy as jnp
 
 from qwen35_jax import builtin
 from serving.engine import Engine, EngineConfig, RequestOutput, SamplingParams
+from serving.engine.buckets import Buckets
 from serving.engine.capacity import allocate_cache, plan_capacity
+from serving.engine.compilation_cache import use_compilation_cache
+from serving.flags import DEFAULT_COMPILATION_CACHE
+
+# On a CPU, long prefill programs are slow (seconds per step for the tiny model at 256
+# tokens), so prompts are prefilled in chunks of at most 64 tokens.
+CPU_LIMITS = {"max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 1024}
+
+
+def engine_defaults(kw: dict) -> dict:
+    """EngineConfig fields `kw` with, on a CPU, small defaults for the unset ones (the
+    servers' too): `CPU_LIMITS`, blocks for every sequence at full length, and three
+    programs (`Buckets.few`), so that start-up takes seconds. Elsewhere EngineConfig's
+    own defaults stand."""
+    if jax.default_backend() != "cpu":
+        return kw
+    kw = {**CPU_LIMITS, **kw}
+    block_size = kw.get("block_size", EngineConfig.block_size)
+    kw.setdefault("num_blocks", kw["max_num_seqs"] * -(-kw["max_model_len"] // block_size))
+    kw.setdefault("buckets", Buckets.few(kw["max_num_seqs"], kw["max_num_batched_tokens"]))
+    return kw
 
 
 def default_dtype():
@@ -88,10 +111,12 @@ def _load_tokenizer(tokenizer, model):
 class LLM:
     def __init__(self, model, *, tokenizer=None, dtype=None, seed: int = 0,
                  hf_overrides: dict | None = None, quantization: str | None = None,
+                 compilation_cache_dir: str | None = DEFAULT_COMPILATION_CACHE,
                  **engine_kwargs):
+        use_compilation_cache(compilation_cache_dir)
         if dtype is None:
             dtype = default_dtype()
-        engine_kwargs.setdefault("seed", seed)
+        engine_kwargs = engine_defaults({"seed": seed, **engine_kwargs})
         config = EngineConfig(**engine_kwargs)
         mesh = config.mesh()
         self.model = load_model(model, dtype, seed, mesh, hf_overrides, quantization)

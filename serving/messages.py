@@ -70,6 +70,7 @@ class PrefillResult(Message):
     stop_reason: int | str | None = None
     transfer: Ticket | None = None
     num_cached_tokens: Annotated[int, Field(ge=0, lt=2**31)] = 0  # prefix-cache hit
+    queue_seconds: Annotated[float, Field(ge=0)] = 0.0  # waiting before its prefill began
 
 
 class DecodeRequest(Message):

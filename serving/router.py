@@ -40,6 +40,7 @@ from collections import OrderedDict
 import httpx
 from pydantic import ValidationError
 
+from serving import bucket_counts
 from serving.engine import RequestOutput, SamplingParams
 from serving.engine.prefix_cache import block_key
 from serving.errors import EngineDead, EngineOverloaded, Unavailable, WorkerFailed
@@ -243,7 +244,8 @@ class Router:
             token_ids=list(result.token_ids), new_token_ids=list(result.token_ids),
             finished=result.transfer is None, finish_reason=result.finish_reason,
             stop_reason=result.stop_reason, logprobs=result.logprobs,
-            num_cached_tokens=result.num_cached_tokens)
+            num_cached_tokens=result.num_cached_tokens,
+            metrics={"queue_s": result.queue_seconds})
         if first.finished:
             return RouterStream(self, request_id, first, None)
         self._sources[url] = tuple(result.transfer.address)
@@ -400,6 +402,8 @@ class Router:
             role: {k: sum(self._stats.get(u, {}).get(k, 0) for u in pool.urls)
                    for k in ("device_busy_s", "device_idle_s", "device_steps")}
             for role, pool in (("prefill", self.prefill), ("decode", self.decode))}
+        for key in ("iteration_tokens", "transfer_time", "transfer_size", "transfer_descs"):
+            total[key] = bucket_counts.add([s.get(key) for s in self._stats.values()])
         total["kv_cache_usage"] = 1 - total["free_blocks"] / max(total["num_blocks"], 1)
         total["state_slot_usage"] = 1 - total["free_slots"] / max(total["num_slots"], 1)
         return total

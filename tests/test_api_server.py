@@ -330,19 +330,36 @@ def metric_values(server) -> dict[str, float]:
 
 
 def test_metrics(server, client):
-    complete(client, prompt="metrics", max_tokens=4, extra_body={"ignore_eos": True})
+    label = '{model_name="tiny"}'
+    server.wait_idle()
+    before = metric_values(server)
+    r = complete(client, prompt="metrics", max_tokens=4, extra_body={"ignore_eos": True})
     server.wait_idle()
     values = metric_values(server)
-    label = '{model_name="tiny"}'
+
+    def grew(name):
+        return values[name + label] - before.get(name + label, 0)
+
     assert values["vllm:num_requests_running" + label] == 0
     assert values["vllm:kv_cache_usage_perc" + label] == 0
-    assert values["vllm:state_slot_usage_perc" + label] == 0
-    assert values["vllm:generation_tokens_total" + label] >= 4
-    assert values["vllm:time_to_first_token_seconds_count" + label] >= 1
-    assert values["vllm:inter_token_latency_seconds_count" + label] >= 3
-    assert values["vllm:e2e_request_latency_seconds_count" + label] >= 1
-    assert values["vllm:kv_transfer_bytes_total" + label] == 0
-    assert values["vllm:compiles_during_serving_total" + label] == 0
+    assert values["qwen35:state_slot_usage_perc" + label] == 0
+    assert grew("vllm:generation_tokens_total") == 4
+    assert grew("vllm:time_to_first_token_seconds_count") == 1
+    assert grew("vllm:inter_token_latency_seconds_count") == 3
+    assert grew("vllm:e2e_request_latency_seconds_count") == 1
+    # the per-request histograms vLLM has: one observation each, of this request's figures
+    for name in ("queue_time_seconds", "prefill_time_seconds", "decode_time_seconds"):
+        assert grew(f"vllm:request_{name}_count") == 1, name
+    assert grew("vllm:request_decode_time_seconds_sum") > 0
+    assert grew("vllm:time_per_output_token_seconds_count") == 1
+    assert grew("vllm:request_generation_tokens_sum") == 4
+    assert grew("vllm:request_prompt_tokens_sum") == r.usage.prompt_tokens
+    # tokens per step: a prefill step of the prompt, then three decode steps of one token
+    assert grew("vllm:iteration_tokens_total_count") >= 4
+    assert grew("vllm:iteration_tokens_total_sum") >= r.usage.prompt_tokens + 3
+    # the aggregated engine moves no state: no transfer samples
+    assert not any(k.startswith("vllm:nixl_xfer_time_seconds_count") for k in values)
+    assert values["qwen35:compiles_during_serving_total" + label] == 0
 
 
 def test_bench_labels_it_aggregated(server):

@@ -65,15 +65,15 @@ def test_completion_and_chat_through_the_router(server):
     while True:
         samples = {s.name: s.value for family in text_string_to_metric_families(
             httpx.get(f"{url}/metrics").text) for s in family.samples}
-        if samples["vllm:kv_transfers_total"] >= 3 or time.monotonic() > end:
+        if samples["vllm:nixl_xfer_time_seconds_count"] >= 3 or time.monotonic() > end:
             break
         time.sleep(0.5)
-    assert samples["vllm:kv_transfers_total"] == 3, samples
-    assert samples["vllm:kv_transfer_failures_total"] == 0
-    ack = samples["vllm:kv_transfer_ack_seconds_total"]  # part of the transfers' time
-    assert 0 < ack <= samples["vllm:kv_transfer_seconds_total"], samples
+    assert samples["vllm:nixl_xfer_time_seconds_count"] == 3, samples
+    assert samples["vllm:nixl_num_failed_transfers_total"] == 0
+    ack = samples["qwen35:kv_transfer_ack_seconds_total"]  # part of the transfers' time
+    assert 0 < ack <= samples["vllm:nixl_xfer_time_seconds_sum"], samples
     # one run of consecutive KV blocks + the conv slot + the recurrent slot
-    assert samples["vllm:kv_transfer_descriptors_total"] == 3 * 3
+    assert samples["vllm:nixl_num_descriptors_sum"] == 3 * 3
     assert samples["vllm:num_requests_running"] == 0
 
 
@@ -91,6 +91,19 @@ def test_stop_strings_through_the_router(server):
     assert out.choices[0].text == text[:text.find(stop)]
 
 
+def _started(monkeypatch, argv):
+    """The worker command lines (and environments) the launcher would start for `argv`."""
+    import serving.__main__ as launcher
+
+    args = launcher.parse(argv)
+    started = []
+    monkeypatch.setattr(launcher.subprocess, "Popen",
+                        lambda cmd, **kw: started.append((cmd, kw.get("env", {}))) or object())
+    monkeypatch.setattr(launcher, "gpus", lambda: ["0", "1"])
+    workers = launcher.Workers(args, launcher.worker_flags(args, argv), "s" * 32)
+    return workers, started
+
+
 def test_role_args_reach_only_their_role(monkeypatch):
     """Shared engine flags reach every worker; --prefill-args / --decode-args only their
     role, after the shared ones (argparse: the later flag wins); launcher flags none."""
@@ -98,17 +111,12 @@ def test_role_args_reach_only_their_role(monkeypatch):
 
     argv = ["--model", "tiny", "--port", "8000", "--max-num-seqs", "4", "--decode-workers", "2",
             "--prefill-args", "--max-num-seqs 8 --tp 2", "--decode-args=--ep 2"]
-    args, _ = launcher.parser().parse_known_args(argv)
-    started = []
-    monkeypatch.setattr(launcher.subprocess, "Popen",
-                        lambda cmd, **kw: started.append((cmd, kw.get("env", {}))) or object())
-    monkeypatch.setattr(launcher, "gpus", lambda: ["0", "1"])
-    workers = launcher.Workers(args, launcher.worker_flags(args, argv), "s" * 32)
+    workers, started = _started(monkeypatch, argv)
     assert len(workers.urls["prefill"]) == 1 and len(workers.urls["decode"]) == 2
+    shared = [cmd[cmd.index("--role") + 2:cmd.index("--port")] for cmd, _ in started]
+    assert shared == [["--model", "tiny", "--max-num-seqs", "4"]] * 3
     tails = [cmd[cmd.index("--port") + 2:] for cmd, _ in started]
-    assert tails == [["--model", "tiny", "--max-num-seqs", "4", "--max-num-seqs", "8", "--tp", "2"],
-                     ["--model", "tiny", "--max-num-seqs", "4", "--ep", "2"],
-                     ["--model", "tiny", "--max-num-seqs", "4", "--ep", "2"]]
+    assert tails == [["--max-num-seqs", "8", "--tp", "2"], ["--ep", "2"], ["--ep", "2"]]
     assert [cmd[cmd.index("--role") + 1] for cmd, _ in started] == ["prefill", "decode", "decode"]
     # one GPU each, round robin over the two; the secret in the environment only
     assert [env["CUDA_VISIBLE_DEVICES"] for _, env in started] == ["0", "1", "0"]
@@ -119,13 +127,52 @@ def test_role_args_reach_only_their_role(monkeypatch):
         "--model", "tiny", "--port", "8000", "--max-num-seqs", "4"]
 
 
+def test_data_parallel_size_and_chosen_worker_ports(monkeypatch):
+    """-dp N starts N workers of each role unless a role's count is given; with
+    --worker-base-port P worker i listens on P + 2i and shakes hands on P + 2i + 1."""
+    workers, started = _started(monkeypatch, ["--model", "tiny", "-dp", "2",
+                                              "--decode-workers", "1",
+                                              "--worker-base-port", "9100"])
+    assert len(workers.urls["prefill"]) == 2 and len(workers.urls["decode"]) == 1
+    ports = [(cmd[cmd.index("--port") + 1], cmd[cmd.index("--transfer-port") + 1])
+             for cmd, _ in started]
+    assert ports == [("9100", "9101"), ("9102", "9103"), ("9104", "9105")]
+    assert workers.urls["decode"] == ["http://127.0.0.1:9104"]
+
+
 def test_the_api_key_and_restart_flags_stay_with_the_launcher():
     import serving.__main__ as launcher
 
     argv = ["--model", "tiny", "--api-key", "k", "--max-worker-restarts", "2",
-            "--max-queued-requests", "7"]
-    args, _ = launcher.parser().parse_known_args(argv)
+            "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+            "--max-queued-requests", "7", "--stream-interval", "4"]
+    args = launcher.parse(argv)
     assert launcher.worker_flags(args, argv) == ["--model", "tiny", "--max-queued-requests", "7"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "tiny", "--bogus"], "unrecognized arguments: --bogus"),
+    (["--model", "tiny", "--max-num-seqs", "4x"], "invalid int value: '4x'"),
+    (["--model", "tiny", "--decode-args", "--lease-ttl 1 --nope"], "unrecognized arguments: --nope"),
+])
+def test_a_bad_flag_fails_at_once_before_any_worker_starts(argv, message):
+    r = subprocess.run([sys.executable, "-m", "serving", *argv], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("module", ["serving", "serving.api", "serving.worker"])
+def test_help_answers_without_importing_jax(module):
+    probe = ("import runpy, sys\n"
+             f"sys.argv = ['{module}', '--help']\n"
+             "try:\n"
+             f"    runpy.run_module('{module}', run_name='__main__', alter_sys=True)\n"
+             "except SystemExit as e:\n"
+             "    assert e.code == 0, e.code\n"
+             "print('JAX' if 'jax' in sys.modules else 'no JAX')\n")
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "--max-num-seqs" in r.stdout and r.stdout.strip().endswith("no JAX"), r.stdout[-300:]
 
 
 def test_supervise_restarts_dead_workers_until_its_budget_is_spent():

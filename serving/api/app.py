@@ -27,9 +27,10 @@ from starlette.concurrency import run_in_threadpool
 
 from serving.api import errors, render
 from serving.api.backend import Backend
-from serving.api.generate import close_all, merged, start_timers, submit, until_disconnect
+from serving.api.generate import (close_all, every, merged, start_timers, submit,
+                                  until_disconnect)
 from serving.api.metrics import CONTENT_TYPE, Metrics
-from serving.api.prepare import (ChatOptions, Limits, Prompt, chat_jobs, chat_message,
+from serving.api.prepare import (ServerOptions, Limits, Prompt, chat_jobs, chat_message,
                                  check_model, check_prompt, completion_jobs, render_chat,
                                  template_kwargs)
 from serving.api.protocol import (ChatCompletionChunk, ChatCompletionRequest,
@@ -77,7 +78,7 @@ class EventStream(StreamingResponse):
 def build_app(backend: Backend, tokenizer: Tokenizer, model_name: str, *,
               model_path: str | None = None, api_key: str | None = None,
               max_request_bytes: int = DEFAULT_MAX_BYTES,
-              options: ChatOptions = ChatOptions()) -> FastAPI:
+              options: ServerOptions = ServerOptions()) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
@@ -96,7 +97,7 @@ def build_app(backend: Backend, tokenizer: Tokenizer, model_name: str, *,
     keyed = [Depends(authorised)]
     limits = Limits(model_name=model_name, max_model_len=backend.max_model_len,
                     max_logprobs=backend.max_logprobs, vocab_size=tokenizer.vocab_size)
-    metrics = Metrics(model_name, backend.stats)
+    metrics = Metrics(model_name, backend.stats, backend.max_model_len)
     app.state.backend, app.state.metrics, app.state.tokenizer = backend, metrics, tokenizer
 
     @app.get("/health", response_class=Response,
@@ -180,7 +181,8 @@ def build_app(backend: Backend, tokenizer: Tokenizer, model_name: str, *,
         streams = await submit(backend, renderer.id, jobs)
         outputs = merged(streams, start_timers(metrics, jobs, start))
         if stream:
-            return EventStream(_events(renderer, outputs), streams)
+            return EventStream(_events(renderer, every(outputs, options.stream_interval)),
+                               streams)
         try:
             finals = await until_disconnect(request, _collect(outputs, len(jobs)))
         finally:

@@ -5,6 +5,7 @@ the client goes away or anything fails.
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator
 
 from fastapi import Request
@@ -66,15 +67,32 @@ async def merged(streams: list[RequestStream], timers: list[RequestTimer]
                 raise APIError(str(out), status=500) from out
             if isinstance(out, Exception):
                 raise out
-            timers[i].tokens(len(out.new_token_ids))
+            timers[i].output(out)
             if out.finished:
-                timers[i].finish(out.finish_reason)
                 remaining -= 1
             yield i, out
     finally:
         for t in tasks:
             t.cancel()
         await close_all(streams)
+
+
+async def every(outputs: AsyncIterator[tuple[int, RequestOutput]], interval: int
+                ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """`outputs` with each choice's tokens gathered `interval` at a time
+    (``--stream-interval``): a choice's first output and its last pass at once, the
+    others wait until they hold `interval` new tokens between them."""
+    pending: dict[int, RequestOutput] = {}
+    started: set[int] = set()
+    async for i, out in outputs:
+        held = pending.pop(i, None)
+        if held is not None:
+            out = dataclasses.replace(out, new_token_ids=held.new_token_ids + out.new_token_ids)
+        if out.finished or i not in started or len(out.new_token_ids) >= interval:
+            started.add(i)
+            yield i, out
+        else:
+            pending[i] = out
 
 
 async def close_all(streams: list[RequestStream]) -> None:

@@ -59,12 +59,13 @@ class Limits:
 
 
 @dataclass(frozen=True)
-class ChatOptions:
-    """The server's options for reading requests and replies (vLLM's flags)."""
+class ServerOptions:
+    """The server's options for reading requests and writing replies (vLLM's flags)."""
     reasoning_parser: str | None = None  # --reasoning-parser (qwen3)
     tool_call_parser: str | None = None  # --tool-call-parser (hermes, qwen3_coder)
     auto_tool_choice: bool = False  # --enable-auto-tool-choice
     sampling_defaults: dict = field(default_factory=dict)  # from generation_config.json
+    stream_interval: int = 1  # --stream-interval: tokens per streamed event
 
 
 def check_supported(body) -> None:
@@ -95,7 +96,7 @@ def completion_prompts(body: CompletionRequest, tok: Tokenizer) -> list[Prompt]:
 
 
 def chat_prompt(body: ChatCompletionRequest, tok: Tokenizer,
-                options: ChatOptions) -> tuple[Prompt, ChatParsing]:
+                options: ServerOptions) -> tuple[Prompt, ChatParsing]:
     """The prompt of a chat request, and how its reply is to be read."""
     messages = [chat_message(m, i) for i, m in enumerate(body.messages)]
     tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
@@ -128,7 +129,7 @@ def template_kwargs(kwargs: dict | None) -> dict:
     return dict(kwargs or {})
 
 
-def _tool_parser(body: ChatCompletionRequest, options: ChatOptions) -> str | None:
+def _tool_parser(body: ChatCompletionRequest, options: ServerOptions) -> str | None:
     """The parser that reads this reply's tool calls (None: they stay content)."""
     choice = body.tool_choice
     if choice is None:
@@ -253,7 +254,7 @@ def jobs(prompts: list[Prompt], n: int, params: SamplingParams) -> list[Job]:
 
 
 def completion_jobs(body: CompletionRequest, tok: Tokenizer, limits: Limits,
-                    options: ChatOptions) -> list[Job]:
+                    options: ServerOptions) -> list[Job]:
     check_supported(body)
     check_model(body.model, limits)
     prompts = completion_prompts(body, tok)
@@ -267,7 +268,7 @@ def completion_jobs(body: CompletionRequest, tok: Tokenizer, limits: Limits,
 
 
 def chat_jobs(body: ChatCompletionRequest, tok: Tokenizer, limits: Limits,
-              options: ChatOptions) -> list[Job]:
+              options: ServerOptions) -> list[Job]:
     check_supported(body)
     check_model(body.model, limits)
     prompt, parsing = chat_prompt(body, tok, options)

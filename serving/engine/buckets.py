@@ -30,6 +30,13 @@ class Buckets:
         return Buckets(tuple(_powers(min(min_tokens, max_num_batched_tokens), max_num_batched_tokens)),
                        tuple(_powers(1, max_num_seqs, 4)), tuple(_powers(1, max_num_seqs)))
 
+    @staticmethod
+    def few(max_num_seqs: int, max_num_batched_tokens: int) -> "Buckets":
+        """Three programs: a 32-token and a full prefill, and one decode, all at
+        `max_num_seqs` sequences (CPU defaults: each program costs seconds to compile)."""
+        t = max_num_batched_tokens
+        return Buckets(tuple(sorted({min(32, t), t})), (max_num_seqs,), (max_num_seqs,))
+
     def all_shapes(self) -> list[tuple[bool, int, int]]:
         """(is_decode, T, N) of every program compiled at start-up."""
         shapes = [(True, n, n) for n in self.decode_seqs]

@@ -33,6 +33,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
+from serving.bucket_counts import ITERATION_TOKENS, BucketCounts
 from serving.engine.block_pool import BlockPool
 from serving.engine.compile_guard import CompileCounter
 from serving.engine.config import EngineConfig
@@ -113,6 +114,7 @@ class Engine:
         self.idle_timer = IdleTimer() if c.track_device_idle else None
         self.stats = {"steps": 0, "decode_steps": 0, "prefill_steps": 0,
                       "scheduled_tokens": 0, "padded_tokens": 0}
+        self.iteration_tokens = BucketCounts(ITERATION_TOKENS)  # tokens per step
 
     # ---- requests -------------------------------------------------------
 
@@ -269,7 +271,8 @@ class Engine:
                  prefix_cache_queries=self.prefix.queries if self.prefix else 0,
                  prefix_cache_hits=self.prefix.hits if self.prefix else 0,
                  cached_blocks=self.blocks.num_evictable,
-                 prefix_snapshots=len(self.prefix.rows) if self.prefix else 0)
+                 prefix_snapshots=len(self.prefix.rows) if self.prefix else 0,
+                 iteration_tokens=self.iteration_tokens.state())
         if self.idle_timer:
             m.update(self.idle_timer.counters())
         return m
@@ -328,6 +331,7 @@ class Engine:
         s["steps"] += 1
         s["decode_steps" if sched.is_decode else "prefill_steps"] += 1
         s["scheduled_tokens"] += sched.num_tokens
+        self.iteration_tokens.observe(sched.num_tokens)
         s["padded_tokens"] += len(x.tokens)
 
     def _process(self, seq: int, sched, out) -> list[RequestOutput]:
@@ -383,4 +387,6 @@ class Engine:
             logprobs=req.logprobs if req.params.logprobs is not None else None,
             num_preemptions=req.num_preemptions, num_cached_tokens=req.num_cached_tokens or 0,
             metrics={"arrival": req.arrival_time, "first_token": req.first_token_time,
-                     "finish": req.finish_time})
+                     "finish": req.finish_time,
+                     **({} if req.scheduled_time is None else
+                        {"queue_s": req.scheduled_time - req.arrival_time})})

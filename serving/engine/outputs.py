@@ -16,4 +16,5 @@ class RequestOutput:
     logprobs: list[dict[int, float]] | None = None  # per token: {id: logprob}, chosen + top-n
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied (first admission)
-    metrics: dict = field(default_factory=dict)  # arrival, first_token, finish (perf_counter s)
+    # arrival, first_token, finish (perf_counter s); queue_s: arrival to first admission
+    metrics: dict = field(default_factory=dict)

@@ -55,6 +55,7 @@ class Request:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
     output_text: str = ""
+    scheduled_time: float | None = None  # first admitted into a step
     first_token_time: float | None = None
     finish_time: float | None = None
 

@@ -28,7 +28,7 @@ whose chunk reached the end of their known tokens.
 """
 
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from tqdm import tqdm
 
 from qwen35_jax.sharding import mesh_of, replicated
 
@@ -116,18 +117,37 @@ class Runner:
 
     # ---- start-up -------------------------------------------------------
 
-    def warmup(self, compile_threads: int = 8) -> float:
+    def warmup(self, compile_threads: int = 8, progress: bool = True) -> float:
         """Compile every bucket, then run each once on an all-padding batch;
-        returns seconds."""
+        returns seconds. `progress`: a bar on stderr over the programs, each named
+        by its bucket as it is lowered and compiled."""
         t0 = time.perf_counter()
         shapes = self.buckets.all_shapes()
         samplers = [(n, mode) for n in sorted({n for _, _, n in shapes}) for mode in SAMPLER_MODES]
-        lowered = [self._lower(*shape) for shape in shapes]
+        names = [f"{'decode' if d else 'prefill'} T={t} N={n}" for d, t, n in shapes]
+        names += [f"sampler N={n} {_mode_name(mode)}" for n, mode in samplers]
+        bar = tqdm(total=2 * len(names), desc="compiling step programs", unit="step",
+                   disable=not progress, leave=False)
+        lowered = []
+        for shape, name in zip(shapes, names):
+            bar.set_postfix_str(f"lowering {name}")
+            lowered.append(self._lower(*shape))
+            bar.update()
         row = lowered[0].out_info[1]  # logits [N, vocab]: only N differs between buckets
-        lowered += [self._lower_sampler(mode, jax.ShapeDtypeStruct((n, row.shape[1]), row.dtype))
-                    for n, mode in samplers]
+        for (n, mode), name in zip(samplers, names[len(shapes):]):
+            bar.set_postfix_str(f"lowering {name}")
+            lowered.append(self._lower_sampler(mode, jax.ShapeDtypeStruct((n, row.shape[1]),
+                                                                          row.dtype)))
+            bar.update()
+        programs = [None] * len(lowered)
         with ThreadPoolExecutor(compile_threads) as pool:
-            programs = list(pool.map(lambda lo: lo.compile(), lowered))
+            done = {pool.submit(lo.compile): i for i, lo in enumerate(lowered)}
+            for future in as_completed(done):
+                i = done[future]
+                programs[i] = future.result()
+                bar.set_postfix_str(f"compiled {names[i]}")
+                bar.update()
+        bar.close()
         self._programs = dict(zip(shapes, programs))
         self.rewrites_whole_cache = any(rewrites_whole_cache(p.as_text(), self.cache)
                                         for p in programs[:len(shapes)])
@@ -239,6 +259,11 @@ class Runner:
         self.last_token, out = self._samplers[key](logits, self.last_token, x.sampling,
                                                    x.sample_slot)
         return out
+
+
+def _mode_name(mode) -> str:
+    name = ("draw+filter" if mode.filter else "draw") if mode.draw else "greedy"
+    return name + ("+logprobs" if mode.logprobs else "")
 
 
 def rewrites_whole_cache(hlo: str, cache) -> bool:

@@ -25,6 +25,7 @@ runs through the prefill program, which also carries single-token decodes (mixed
 batch).
 """
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -242,8 +243,9 @@ class Scheduler:
             self.waiting.popleft()
             if self.prefix is not None:
                 self.prefix.count(req.num_tokens, req.num_computed_tokens)
-            if req.num_cached_tokens is None:
+            if req.num_cached_tokens is None:  # its first admission
                 req.num_cached_tokens = req.num_computed_tokens
+                req.scheduled_time = time.perf_counter()
             req.slot = self.slots.allocate()
             req.status = Status.RUNNING
             self.running.append(req)

@@ -16,10 +16,17 @@ needs (``kv_transfer.pull_items``), checked to lie inside the pinned bytes. On G
 device's shard is cudaMalloc'd memory imported through DLPack
 (``transfer.memory.allocate_sharded``), which cuda_ipc reaches; on CPU it is XLA's own
 host memory.
+
+Imported on first use, so that ``python -m serving.worker --help`` answers before JAX loads.
 """
 
-from serving.worker.app import build_app
-from serving.worker.decode import DecodeWorker
-from serving.worker.prefill import PrefillWorker
+import importlib
 
 __all__ = ["DecodeWorker", "PrefillWorker", "build_app"]
+_HOME = {"DecodeWorker": "decode", "PrefillWorker": "prefill", "build_app": "app"}
+
+
+def __getattr__(name):
+    if name in _HOME:
+        return getattr(importlib.import_module(f"serving.worker.{_HOME[name]}"), name)
+    raise AttributeError(name)

@@ -13,48 +13,35 @@ import logging
 import os
 import time
 
-import jax
-import jax.numpy as jnp
-import uvicorn
-
-from serving.engine import EngineConfig
-from serving.llm import default_dtype, load_model
-from serving.secret import SecretMissing, load as load_secret
-from serving.worker.app import build_app
-from serving.worker.common import param_bytes
-from serving.worker.decode import DecodeWorker
-from serving.worker.prefill import PrefillWorker
-from transfer import size_xla_pool
-from transfer.agent import LOOPBACK
+from serving.flags import add_worker_flags, server_parser
 
 log = logging.getLogger("serving.worker")
 
 
 def parser():
-    from serving.api.server import parser as server_parser
-
-    p = server_parser()
-    p.prog = "python -m serving.worker"
-    p.description = __doc__
+    p = add_worker_flags(server_parser("python -m serving.worker", __doc__))
     p.add_argument("--role", required=True, choices=["prefill", "decode"])
-    p.add_argument("--transfer-port", type=int, default=0, help="handshake port (0: any)")
-    p.add_argument("--transfer-interface", default=LOOPBACK,
-                   help="network devices UCX may transfer over and listen on (UCX_NET_DEVICES; "
-                        "default: loopback only), e.g. mlx5_0:1 or eth0 across hosts")
-    p.add_argument("--lease-ttl", type=float, default=30.0,
-                   help="seconds a prefill result stays pinned without a pull")
-    p.add_argument("--transfer-timeout", type=float, default=30.0)
-    p.add_argument("--on-transfer-failure", choices=["error", "recompute"], default="error")
-    p.add_argument("--enable-fault-injection", action="store_true",
-                   help="expose POST /debug/faults (tests only)")
     return p
 
 
 def main(argv=None):
+    a = parser().parse_args(argv)  # before JAX loads: --help and bad flags answer at once
+    import jax
+    import jax.numpy as jnp
+    import uvicorn
+
     from serving.api.server import engine_kwargs
     from serving.api.text import Tokenizer, find_tokenizer
+    from serving.engine import EngineConfig
+    from serving.engine.compilation_cache import use_compilation_cache
+    from serving.llm import default_dtype, load_model
+    from serving.secret import SecretMissing, load as load_secret
+    from serving.worker.app import build_app
+    from serving.worker.common import param_bytes
+    from serving.worker.decode import DecodeWorker
+    from serving.worker.prefill import PrefillWorker
+    from transfer import size_xla_pool
 
-    a = parser().parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(),
                         format=f"%(asctime)s {a.role} %(levelname)s %(name)s: %(message)s")
     try:
@@ -70,6 +57,7 @@ def main(argv=None):
     if total:
         log.info("XLA pool: %s of %.1f GiB", os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"],
                  total / 2**30)
+    use_compilation_cache(a.compilation_cache_dir)
     dtype = jnp.dtype(a.dtype) if a.dtype else default_dtype()
     config = EngineConfig(seed=a.seed, **engine_kwargs(a))
     model = load_model(name, dtype, a.seed, config.mesh(), a.hf_overrides, a.quantization)

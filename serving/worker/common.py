@@ -23,6 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from serving.async_engine import AsyncEngine
+from serving.bucket_counts import (TRANSFER_BYTES, TRANSFER_DESCRIPTORS, TRANSFER_SECONDS,
+                                   BucketCounts)
 from serving.engine import Engine, EngineConfig
 from serving.engine.capacity import cache_dtype, plan_capacity
 from serving.kv_transfer import allocate_registered_cache, compat_record
@@ -83,6 +85,10 @@ class WorkerBase:
                          "transfer_failures": 0, "leases_expired": 0,
                          # prompt tokens a pull skipped: this side's prefix cache held them
                          "transfer_cached_tokens": 0}
+        # per transfer, as vLLM's NIXL histograms
+        self.transfer_histograms = {"transfer_time": BucketCounts(TRANSFER_SECONDS),
+                                    "transfer_size": BucketCounts(TRANSFER_BYTES),
+                                    "transfer_descs": BucketCounts(TRANSFER_DESCRIPTORS)}
         self.engine = AsyncEngine(engine, max_queued_requests=max_queued_requests,
                                   tick=self._tick, on_stop=self._on_stop)
         self.progress = ProgressThread(self.transfer, on_ready=self.engine.wake)
@@ -107,7 +113,9 @@ class WorkerBase:
             jax.block_until_ready(eng.runner.cache)
 
     def stats(self) -> dict:
-        return {**self.engine.stats(), **self.counters, "leases": self.transfer.leases,
+        return {**self.engine.stats(), **self.counters,
+                **{k: h.state() for k, h in self.transfer_histograms.items()},
+                "leases": self.transfer.leases,
                 "pending_pulls": self.transfer.pending, "draining_pulls": self.transfer.draining,
                 "agent": self.agent.name, "transfer_address": list(self.transfer.address)}
 

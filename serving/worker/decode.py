@@ -206,6 +206,10 @@ class DecodeWorker(WorkerBase):
                 self.counters["transfer_seconds"] += c.seconds
                 self.counters["transfer_ack_seconds"] += c.phases.get("ack", 0.0)
                 self.counters["transfer_descriptors"] += c.descriptors
+                h = self.transfer_histograms
+                h["transfer_time"].observe(c.seconds)
+                h["transfer_size"].observe(c.nbytes)
+                h["transfer_descs"].observe(c.descriptors)
                 if not started:
                     eng.finish_transfer(request_id, ok=True)
                 self._confirm(request_id)

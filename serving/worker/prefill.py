@@ -57,7 +57,8 @@ class PrefillWorker(WorkerBase):
         return PrefillResult(token_ids=list(out.token_ids), logprobs=out.logprobs,
                              finish_reason=None if goes_on else out.finish_reason,
                              stop_reason=out.stop_reason, transfer=ticket,
-                             num_cached_tokens=out.num_cached_tokens)
+                             num_cached_tokens=out.num_cached_tokens,
+                             queue_seconds=out.metrics.get("queue_s", 0.0))
 
     def _pin(self, eng, request_id: str, prompt: list[int], first_token: int) -> Ticket:
         req = eng.requests[request_id]

@@ -1,7 +1,8 @@
-"""Qwen3.5 chat through the official `openai` client: tool calls (hermes and qwen3_coder
-parsers, streamed and not, and in the history), reasoning (`--reasoning-parser qwen3`,
-`chat_template_kwargs`), the checkpoint's sampling defaults, and the vLLM routes
-/tokenize, /detokenize, /version, /ping and `continuous_usage_stats`.
+"""What vLLM users expect of the server, through the official `openai` client: Qwen3.5
+chat with tool calls (hermes and qwen3_coder parsers, streamed and not, and in the
+history), reasoning (`--reasoning-parser qwen3`, `chat_template_kwargs`), the
+checkpoint's sampling defaults, the routes /tokenize, /detokenize, /version and /ping,
+`continuous_usage_stats` and `--stream-interval`.
 
 The replies come from a scripted backend that answers each request with a given text,
 one token per output, so what is checked is the server's reading of requests and
@@ -20,7 +21,7 @@ import uvicorn
 
 from serving.api.app import build_app
 from serving.api.chat_output import ChatParsing, ChatStream, message_fields, split
-from serving.api.prepare import ChatOptions
+from serving.api.prepare import ServerOptions
 from serving.api.text import BUILTIN_TOKENIZER, Tokenizer
 from serving.engine import RequestOutput
 from serving.ports import free_port
@@ -187,10 +188,10 @@ def _serve(app):
 def served(tok):
     """name -> (backend, base url) of servers with the parser flags of that name."""
     options = {
-        "coder": ChatOptions(reasoning_parser="qwen3", tool_call_parser="qwen3_coder",
+        "coder": ServerOptions(reasoning_parser="qwen3", tool_call_parser="qwen3_coder",
                              auto_tool_choice=True),
-        "hermes": ChatOptions(tool_call_parser="hermes", auto_tool_choice=True),
-        "plain": ChatOptions(sampling_defaults={"temperature": 0.0, "top_k": 20}),
+        "hermes": ServerOptions(tool_call_parser="hermes", auto_tool_choice=True),
+        "plain": ServerOptions(sampling_defaults={"temperature": 0.0, "top_k": 20}),
     }
     running = {}
     for name, opts in options.items():
@@ -312,7 +313,7 @@ def test_tools_the_template_cannot_render_are_400(tok, tmp_path):
     from qwen35_jax import builtin
     plain = Tokenizer(builtin.resolve("tiny-math"))  # its template knows no tools
     server, thread, url = _serve(build_app(Replies(plain), plain, "tiny-math",
-                                           options=ChatOptions(tool_call_parser="hermes",
+                                           options=ServerOptions(tool_call_parser="hermes",
                                                                auto_tool_choice=True)))
     try:
         r = httpx.post(url + "/v1/chat/completions", json={"messages": ASK, "tools": [WEATHER]})
@@ -359,3 +360,24 @@ def test_continuous_usage_stats(served):
     assert chunks[-1].usage.completion_tokens == n and not chunks[-1].choices
     plain = list(client(url).chat.completions.create(model="tiny", messages=ASK, stream=True))
     assert all(c.usage is None for c in plain)
+
+
+def test_stream_interval_sends_a_choice_n_tokens_at_a_time(tok):
+    """--stream-interval 4: a choice's first token leaves at once, then four at a time,
+    and whatever is left with its end; the text is the same."""
+    backend = Replies(tok)
+    backend.reply = "one two three four five six seven eight nine ten eleven twelve"
+    n = len(tok.encode(backend.reply, add_special_tokens=False))
+    server, thread, url = _serve(build_app(backend, tok, "tiny",
+                                           options=ServerOptions(stream_interval=4)))
+    try:
+        chunks = list(client(url).completions.create(
+            model="tiny", prompt="count", max_tokens=100, stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+    counts = [c.usage.completion_tokens for c in chunks if c.choices]
+    sizes = [b - a for a, b in zip([0] + counts, counts)]
+    assert sizes == [1] + [4] * ((n - 1) // 4) + ([(n - 1) % 4] if (n - 1) % 4 else [])
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == backend.reply

@@ -1,0 +1,134 @@
+"""Command-line flags of the servers, the launcher and the workers, as vLLM spells them.
+
+This module imports no JAX, so ``--help`` and a mistyped flag answer at once; each
+entry point adds its own flags to ``server_parser()``.
+"""
+
+import argparse
+import json
+import os
+
+from serving.body_limit import DEFAULT_MAX_BYTES
+
+TOOL_CALL_PARSERS = ["hermes", "qwen3_coder"]  # serving/api/tool_parsers.py
+DEFAULT_COMPILATION_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "qwen35_jax", "xla")
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(","))
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("want a JSON object of config fields")
+    return value
+
+
+def server_parser(prog: str = "python -m serving.api",
+                  description: str | None = None) -> argparse.ArgumentParser:
+    """The flags of the OpenAI server over one engine (``python -m serving.api``); the
+    launcher and the workers start from these."""
+    p = argparse.ArgumentParser(prog=prog, description=description,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model_tag", nargs="?", help="same as --model")
+    p.add_argument("--model", default=None,
+                   help="checkpoint directory or preset name (tiny, tiny-moe, ...)")
+    p.add_argument("--tokenizer", default=None, help="default: the checkpoint's tokenizer.json, "
+                   "or the built-in one for the tiny presets")
+    p.add_argument("--served-model-name", default=None, help="default: --model")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--hf-overrides", type=_json_object, default=None, metavar="JSON",
+                   help="HF config fields over a preset's (random weights), as vLLM's: "
+                        "'{\"num_hidden_layers\": 20}' keeps 35B-A3B's shapes at half its depth")
+    p.add_argument("--quantization", "-q", default=None, choices=["fp8"],
+                   help="fp8: the layer matmuls' weights in FP8 e4m3 with 128x128 block "
+                        "scales, quantised on load (an FP8 checkpoint is FP8 without it)")
+    p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
+                   help="default: bfloat16 on accelerators, float32 on CPU")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="KV blocks; default: sized from device memory (on CPU: enough for "
+                        "max-num-seqs full-length sequences)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    p.add_argument("--max-logprobs", type=int, default=20)
+    p.add_argument("--max-queued-requests", type=int, default=1024,
+                   help="requests waiting beyond this are answered 503")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer <key>' on the /v1 routes (401 "
+                        "otherwise), as vllm serve does; default: the environment's "
+                        "VLLM_API_KEY, else no key")
+    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_BYTES,
+                   help="request bodies over this many bytes are refused (413) unread")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="share cached prompt prefixes: KV blocks and GDN state snapshots "
+                        "(serving/engine/prefix_cache.py)")
+    p.add_argument("--prefix-state-interval", type=int, default=32, metavar="BLOCKS",
+                   help="take a GDN state snapshot every this many blocks of a prefill (and "
+                        "at the prompt's end)")
+    p.add_argument("--num-prefix-snapshots", type=int, default=None,
+                   help="state rows for snapshots, counted in the cache budget "
+                        "(default: max-num-seqs)")
+    p.add_argument("--prefill-token-buckets", type=_ints, default=None, metavar="T1,T2,...")
+    p.add_argument("--prefill-seq-buckets", type=_ints, default=None, metavar="N1,N2,...")
+    p.add_argument("--decode-seq-buckets", type=_ints, default=None, metavar="N1,N2,...")
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel size: experts split over ep*tp devices")
+    p.add_argument("--tp", "--tensor-parallel-size", type=int, default=1,
+                   help="tensor-parallel size: heads and FFN columns split over tp devices")
+    p.add_argument("--reasoning-parser", default=None, choices=["qwen3"],
+                   help="split a chat reply's <think> block into reasoning_content")
+    p.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
+                   help="read <tool_call> blocks of chat replies as tool_calls: hermes (JSON "
+                        "bodies, Qwen3) or qwen3_coder (<function=...> bodies, Qwen3.5)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="let the model call tools (tool_choice \"auto\"); needs "
+                        "--tool-call-parser")
+    p.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                   help="sampling defaults for fields a request leaves unset: auto, the "
+                        "checkpoint's generation_config.json; vllm, none; or that file in DIR")
+    p.add_argument("--mamba-ssm-cache-dtype", default="auto",
+                   choices=["auto", "float32", "bfloat16"],
+                   help="dtype of the GDN recurrent state (auto: float32, which keeps long "
+                        "sequences exact; bfloat16 halves its memory and transfer bytes)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="prepare step N+1 on the host while the device runs step N")
+    p.add_argument("--stream-interval", type=int, default=1, metavar="N",
+                   help="tokens per streamed event: a choice's first token leaves at once, "
+                        "then every N tokens and its last (fewer events at high concurrency)")
+    p.add_argument("--compilation-cache-dir", default=DEFAULT_COMPILATION_CACHE,
+                   metavar="DIR", help="XLA's persistent cache of compiled programs, so a "
+                   "second start compiles nothing ('' turns it off)")
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def add_worker_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The transfer flags of a worker (``python -m serving.worker``), which the launcher
+    passes on."""
+    p.add_argument("--transfer-port", type=int, default=0, help="handshake port (0: any)")
+    p.add_argument("--transfer-interface", default="lo",
+                   help="network devices UCX may transfer over and listen on (UCX_NET_DEVICES; "
+                        "default: loopback only), e.g. mlx5_0:1 or eth0 across hosts")
+    p.add_argument("--lease-ttl", type=float, default=30.0,
+                   help="seconds a prefill result stays pinned without a pull")
+    p.add_argument("--transfer-timeout", type=float, default=30.0)
+    p.add_argument("--on-transfer-failure", choices=["error", "recompute"], default="error")
+    p.add_argument("--enable-fault-injection", action="store_true",
+                   help="expose POST /debug/faults (tests only)")
+    return p
+
+
+# The server's own flags (with a value, and switches): the launcher keeps them from the
+# workers.
+API_FLAGS = frozenset({"--reasoning-parser", "--tool-call-parser", "--generation-config",
+                       "--stream-interval"})
+API_SWITCHES = frozenset({"--enable-auto-tool-choice"})
