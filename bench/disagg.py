@@ -22,10 +22,15 @@ multi-turn chat); ``--prefix-caching both`` runs every server twice, with cachin
 started with ``--no-enable-prefix-caching``, and reports the token hit rate (the
 servers' ``vllm:prefix_cache_*`` counters) beside TTFT and throughput.
 
+``--dataset-name sharegpt-like`` draws lengths shaped like ShareGPT conversations'
+(log-normal, long-tailed; ``bench.load.sharegpt_like_dataset``), capped at
+``--input-len`` / ``--output-len``: synthetic, no data set is downloaded.
+
 Requests are streamed completions of random token ids (``/v1/completions``,
-``stream_options.include_usage``), sent all at once (or at ``--request-rate``
-per second, Poisson) under ``--max-concurrency C`` semantics: at most C in
-flight.  Lengths are drawn uniformly from
+``stream_options.include_usage``; with ``--backend openai-chat`` the ids' text as a
+user message to ``/v1/chat/completions``), sent all at once (or at ``--request-rate``
+per second, Poisson) under ``--max-concurrency C`` semantics (several values: a
+sweep): at most C in flight.  Lengths are drawn uniformly from
 ``[int(r*L), L]`` (sa-bench, the default convention) or from
 ``[floor((1-r)*L), ceil((1+r)*L)]`` (vLLM's ``--random-range-ratio``;
 ``--range-convention vllm``); the default ratio gives fixed lengths in both.
@@ -35,15 +40,17 @@ given, after ``--num-warmups`` unmeasured ones (full prompts, at most
 the first chunk with choices, TPOT = (latency - TTFT) / (output tokens - 1)
 with latency at the last such chunk, ITL between chunks, output counts from
 ``usage.completion_tokens``; "per GPU" divides the total token throughput by
-the devices serving (for a started stack: its prefill + decode workers).
+the devices serving (for a started stack: its prefill + decode workers);
+``--percentile-metrics`` and ``--metric-percentiles`` choose what the tables print.
 Beside those, each level reports the server's peak KV and GDN state bytes in use
 (its ``/metrics`` gauges, summed over workers, sampled twice a second) and the
 transfers' count, mean time and size per request; with ``--roofline`` it first
 measures the device's ceilings in a child process (``python -m bench.roofline``)
 and puts each level's floor beside its throughput and TPOT
 (``bench.roofline.serving_floor``).  Writes ``<result-dir>/disagg.json`` (flat vLLM-style keys per run, with the
-per-request lengths) and ``<result-dir>/disagg.png`` (throughput per GPU and
-TTFT against concurrency).
+per-request lengths) and ``<result-dir>/disagg.png`` (throughput per GPU, TTFT and
+TPOT against concurrency, and throughput per GPU against tokens/s per user; its title
+names the model, the lengths and the device).
 """
 
 from __future__ import annotations
@@ -55,15 +62,15 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 
-from bench.load import arrivals, dataset, length_bounds, prefix_dataset, run_level, scrape
+from bench.load import (arrivals, dataset, length_bounds, prefix_dataset, run_level, scrape,
+                        sharegpt_like_dataset)
 from bench.report import (NO_PREFIX_CACHE, greedy_agreement, plot, roofline_figures,
                           summarise, summary, table)
-from serving.__main__ import LAUNCHER_FLAGS, gpus, without_flags
-from serving.__main__ import parser as stack_parser
+from serving.__main__ import LAUNCHER_FLAGS, gpus, wait_ready, without_flags
+from serving.__main__ import parse as parse_stack_flags
 
 # Small engine limits for a CPU: one 64-token prefill program per sequence bucket
 # (1 and 4 sequences), one 4-sequence decode program.
@@ -82,18 +89,12 @@ def start_server(cmd: list[str], url: str, timeout: float, env: dict | None = No
     wait for /health."""
     print("starting:", " ".join(cmd), flush=True)
     proc = subprocess.Popen(cmd, start_new_session=True, env=env)
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited with code {proc.returncode}: {' '.join(cmd)}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    stop_server(proc)
-    raise SystemExit(f"server not ready after {timeout:.0f} s: {' '.join(cmd)}")
+    try:
+        wait_ready([proc], [url], timeout)
+    except SystemExit:
+        stop_server(proc)
+        raise
+    return proc
 
 
 def stop_server(proc: subprocess.Popen) -> None:
@@ -147,7 +148,7 @@ def measure_roofline(args, server_flags: list[str], result_dir: str) -> tuple:
     child process on the first device before any server starts (so this process never
     holds device memory), the costs from the model's shapes."""
     from bench.roofline import abstract_costs
-    from serving.api.server import parser as server_parser
+    from serving.flags import server_parser
 
     flags, _ = server_parser().parse_known_args(["--model", args.model, *server_flags])
     path = os.path.join(result_dir, "ceilings.json")
@@ -161,6 +162,25 @@ def measure_roofline(args, server_flags: list[str], result_dir: str) -> tuple:
         ceilings = json.load(f)
     dtype = flags.dtype or ("float32" if args.model in _TINY else "bfloat16")
     return abstract_costs(args.model, dtype, flags.block_size), ceilings
+
+
+def device_label() -> str:
+    """What serves, for the plot's title: the GPU's name (nvidia-smi), else the CPU."""
+    if gpus():
+        try:
+            names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                                   capture_output=True, text=True, timeout=10).stdout.split("\n")
+            return names[0].strip() or "GPU"
+        except (OSError, subprocess.SubprocessError):
+            return "GPU"
+    return f"CPU ({os.cpu_count()} cores)"
+
+
+def as_text(url: str, data: list[tuple[list[int], int]]) -> list[tuple[str, int]]:
+    """The prompts' text, from the server's own tokenizer (/detokenize), for chat."""
+    with httpx.Client(timeout=60) as client:
+        return [(client.post(f"{url}/detokenize", json={"tokens": p}).json()["prompt"], n)
+                for p, n in data]
 
 
 def run_mode(mode: str, url: str, args, num_gpus: int, roof: tuple | None,
@@ -177,17 +197,23 @@ def run_mode(mode: str, url: str, args, num_gpus: int, roof: tuple | None,
         warm = dataset(args.num_warmups, args.input_len, args.output_len, args.range_ratio,
                        args.range_convention, args.vocab_size, seed=[args.seed, 0])
         warm = [(prompt, min(n, args.warmup_output_len)) for prompt, n in warm]
-        asyncio.run(run_level(url, name, warm, args.num_warmups, args.ignore_eos, ""))
+        if args.backend == "openai-chat":
+            warm = as_text(url, warm)
+        asyncio.run(run_level(url, name, warm, args.num_warmups, args.ignore_eos, "",
+                              backend=args.backend))
     for c in args.concurrency:
         n = args.num_prompts or args.prompts_per_concurrency * c
         data = requests(args, n, seed=[args.seed, c])
+        if args.backend == "openai-chat":
+            data = as_text(url, data)
         results, duration, server = asyncio.run(run_level(
             url, name, data, c, args.ignore_eos, f"{mode} C={c}",
-            arrivals(len(data), args.request_rate, [args.seed, c])))
-        s = {"mode": mode, **summarise(results, duration, c, num_gpus, server)}
+            arrivals(len(data), args.request_rate, [args.seed, c]), args.backend))
+        s = {"mode": mode, **summarise(results, duration, c, num_gpus, server,
+                                       args.metric_percentiles)}
         if roof is not None:
             s.update(roofline_figures(mode, s, results, roof))
-        print(table(s), flush=True)
+        print(table(s, args.percentile_metrics), flush=True)
         rows.append(s)
 
 
@@ -206,7 +232,21 @@ def requests(args, n: int, seed) -> list[tuple[list[int], int]]:
               args.vocab_size, seed)
     if args.dataset_name == "prefix":
         return prefix_dataset(*common, args.shared_prefix_len, args.num_prefixes)
+    if args.dataset_name == "sharegpt-like":
+        return sharegpt_like_dataset(n, args.input_len, args.output_len, args.vocab_size, seed)
     return dataset(*common)
+
+
+def _names(text: str) -> tuple[str, ...]:
+    names = tuple(x.strip() for x in text.split(","))
+    bad = set(names) - {"ttft", "tpot", "itl", "e2el"}
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown metrics {sorted(bad)}")
+    return names
+
+
+def _numbers(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(","))
 
 
 def parser() -> argparse.ArgumentParser:
@@ -221,7 +261,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--range-convention", choices=["sa", "vllm"], default="sa",
                    help="sa: [int(r*L), L] (sa-bench); vllm: [floor((1-r)L), ceil((1+r)L)]")
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--dataset-name", choices=["random", "prefix"], default="random")
+    p.add_argument("--backend", choices=["openai", "openai-chat"], default="openai",
+                   help="openai: /v1/completions of token ids; openai-chat: "
+                        "/v1/chat/completions of their text")
+    p.add_argument("--dataset-name", choices=["random", "sharegpt-like", "prefix"],
+                   default="random", help="sharegpt-like: ShareGPT-shaped lengths (synthetic)")
     p.add_argument("--shared-prefix-len", type=int, default=None,
                    help="prefix dataset: tokens every prompt shares with others (default: "
                         "90 %% of --input-len)")
@@ -233,7 +277,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="requests/s, Poisson arrivals (default inf: all at once, each "
                         "waiting for a free place under --concurrency)")
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--max-concurrency", "--concurrency", dest="concurrency", type=int,
+                   nargs="+", default=[1, 2, 4], help="requests in flight; several: a sweep")
+    p.add_argument("--percentile-metrics", type=_names, default=("ttft", "tpot", "itl"),
+                   help="comma-separated of ttft, tpot, itl, e2el: the tables' latencies")
+    p.add_argument("--metric-percentiles", type=_numbers, default=(99,),
+                   help="comma-separated percentiles, e.g. 50,90,99")
     p.add_argument("--num-prompts", type=int, default=None,
                    help="per concurrency level; default: --prompts-per-concurrency x C")
     p.add_argument("--prompts-per-concurrency", type=int, default=8)
@@ -293,7 +342,7 @@ def main(argv=None) -> None:
             url, num_gpus = args.base_url.rstrip("/"), args.num_gpus or 1
             run_mode(_mode(server_role(url), caching[0]), url, args, num_gpus, roof, rows)
         else:
-            stack, _ = stack_parser().parse_known_args(["--model", args.model, *server_flags])
+            stack = parse_stack_flags(["--model", args.model, *server_flags])
             num_gpus = args.num_gpus or stack.prefill_workers + stack.decode_workers
             url = f"http://127.0.0.1:{args.port}"
             for on in caching:
@@ -325,7 +374,11 @@ def main(argv=None) -> None:
         with open(os.path.join(args.result_dir, "disagg.json"), "w") as f:
             json.dump({"args": vars(args), "server_flags": server_flags, "results": rows,
                        "greedy_agreement": agreement}, f, indent=1)
-    plot(rows, os.path.join(args.result_dir, "disagg.png"))
+    lengths = ("ShareGPT-like lengths" if args.dataset_name == "sharegpt-like"
+               else f"ISL {args.input_len} / OSL {args.output_len}")
+    plot(rows, os.path.join(args.result_dir, "disagg.png"),
+         f"{args.model}, {lengths}{', prefix dataset' if args.dataset_name == 'prefix' else ''}"
+         f", {device_label()}")
     print(summary(rows))
     for g in agreement:
         print(f"greedy outputs at C={g['max_concurrency']}: {g['same']} of {g['compared']} "

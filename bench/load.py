@@ -17,6 +17,7 @@ import time
 
 import httpx
 import numpy as np
+from httpx_sse import aconnect_sse
 from prometheus_client.parser import text_string_to_metric_families
 from tqdm.auto import tqdm
 
@@ -57,6 +58,18 @@ def dataset(n: int, input_len: int, output_len: int, ratio: float, convention: s
     return [(rng.integers(3, vocab_size, int(i)).tolist(), int(o)) for i, o in zip(ins, outs)]
 
 
+def sharegpt_like_dataset(n: int, max_input_len: int, max_output_len: int, vocab_size: int,
+                         seed) -> list[tuple[list[int], int]]:
+    """n requests of random token ids whose lengths are drawn like ShareGPT
+    conversations' (`vllm bench serve --dataset-name sharegpt`'s usual load, with no
+    download): log-normal, median 150 prompt and 200 output tokens, long-tailed
+    (sigma 1.0 and 0.8), cut to [4, max_input_len] and [1, max_output_len]."""
+    rng = np.random.default_rng(seed)
+    ins = np.clip(np.rint(rng.lognormal(np.log(150), 1.0, n)), 4, max_input_len).astype(int)
+    outs = np.clip(np.rint(rng.lognormal(np.log(200), 0.8, n)), 1, max_output_len).astype(int)
+    return [(rng.integers(3, vocab_size, int(i)).tolist(), int(o)) for i, o in zip(ins, outs)]
+
+
 def prefix_dataset(n: int, input_len: int, output_len: int, ratio: float, convention: str,
                    vocab_size: int, seed, shared_prefix_len: int, num_prefixes: int
                    ) -> list[tuple[list[int], int]]:
@@ -88,25 +101,38 @@ class Result:
     text: str = ""  # the completion, to compare greedy outputs between servers
 
 
-async def one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int],
-              max_tokens: int, ignore_eos: bool) -> Result:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+async def one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int] | str,
+              max_tokens: int, ignore_eos: bool, backend: str = "openai") -> Result:
+    """One streamed request, timed as vLLM's client does. `backend`: "openai" sends the
+    prompt's token ids to /v1/completions; "openai-chat" sends its text (`prompt` is then
+    a string) as a user message to /v1/chat/completions, and the prompt's length is the
+    server's count (with the chat template's tokens)."""
+    body = {"model": model, "max_tokens": max_tokens, "temperature": 0.0,
             "ignore_eos": ignore_eos, "stream": True, "stream_options": {"include_usage": True}}
-    res = Result(prompt_tokens=len(prompt))
+    chat = backend == "openai-chat"
+    if chat:
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    res = Result(prompt_tokens=0 if chat else len(prompt))
     start = last = time.perf_counter()
     try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        async with aconnect_sse(client, "POST", f"{url}{path}", json=body) as source:
+            r = source.response
             if r.status_code != 200:
                 res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
                 return res
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+            async for event in source.aiter_sse():
+                if event.data == "[DONE]":
                     continue
-                chunk = json.loads(line[6:])
+                chunk = json.loads(event.data)
                 if chunk.get("error"):
                     res.error = str(chunk["error"])[:200]
                 elif chunk.get("choices"):
-                    res.text += chunk["choices"][0].get("text") or ""
+                    choice = chunk["choices"][0]
+                    res.text += (choice["delta"].get("content") if chat
+                                 else choice.get("text")) or ""
                     now = time.perf_counter()
                     if res.ttft == 0.0:
                         res.ttft = now - start
@@ -115,6 +141,7 @@ async def one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int]
                     last = now
                 elif chunk.get("usage"):
                     res.output_tokens = chunk["usage"]["completion_tokens"]
+                    res.prompt_tokens = chunk["usage"]["prompt_tokens"]
         res.latency = last - start
         res.ok = not res.error and res.ttft > 0.0 and res.output_tokens > 0
         if not res.ok and not res.error:
@@ -167,7 +194,7 @@ def arrivals(n: int, rate: float, seed) -> list[float]:
 
 
 async def run_level(url: str, model: str, data, concurrency: int, ignore_eos: bool,
-                    desc: str, sent_at: list[float] | None = None
+                    desc: str, sent_at: list[float] | None = None, backend: str = "openai"
                     ) -> tuple[list[Result], float, dict]:
     """Request i is sent `sent_at[i]` seconds after the start (default: all at once), and
     waits there while `concurrency` are in flight; (results in data order, seconds, server
@@ -182,7 +209,7 @@ async def run_level(url: str, model: str, data, concurrency: int, ignore_eos: bo
             async def guarded(prompt, max_tokens, at):
                 await asyncio.sleep(at - (time.perf_counter() - t0))
                 async with sem:
-                    r = await one(client, url, model, prompt, max_tokens, ignore_eos)
+                    r = await one(client, url, model, prompt, max_tokens, ignore_eos, backend)
                 bar.update(1)
                 return r
 

@@ -12,12 +12,20 @@ from bench.load import Result
 NO_PREFIX_CACHE = ", no prefix cache"
 
 
-def _stats(name: str, seconds: list[float]) -> dict:
+def _stats(name: str, seconds: list[float], percentiles=(99,)) -> dict:
+    """Mean, median, std and the given percentiles (always p99) in ms, as vLLM names them."""
     xs = np.asarray(seconds, dtype=float) * 1e3
+    ps = sorted({99, *percentiles})
+    keys = ["mean", "median", "std"] + [_p(p) for p in ps]
     if not len(xs):
-        return {f"{s}_{name}_ms": float("nan") for s in ("mean", "median", "std", "p99")}
+        return {f"{k}_{name}_ms": float("nan") for k in keys}
     return {f"mean_{name}_ms": float(xs.mean()), f"median_{name}_ms": float(np.median(xs)),
-            f"std_{name}_ms": float(xs.std()), f"p99_{name}_ms": float(np.percentile(xs, 99))}
+            f"std_{name}_ms": float(xs.std()),
+            **{f"{_p(p)}_{name}_ms": float(np.percentile(xs, p)) for p in ps}}
+
+
+def _p(percentile: float) -> str:
+    return f"p{percentile:g}"
 
 
 def device_figures(server: dict, duration: float) -> dict:
@@ -37,9 +45,10 @@ def device_figures(server: dict, duration: float) -> dict:
 
 
 def summarise(results: list[Result], duration: float, concurrency: int, num_gpus: int,
-              server: dict) -> dict:
-    """vLLM's `calculate_metrics` over the successful requests, plus throughput per GPU
-    and the server's figures (peak KV and state bytes in use, transfers)."""
+              server: dict, percentiles=(99,)) -> dict:
+    """vLLM's `calculate_metrics` over the successful requests (with `percentiles`, its
+    `--metric-percentiles`), plus throughput per GPU and the server's figures (peak KV
+    and state bytes in use, transfers)."""
     ok = [r for r in results if r.ok]
     tin = sum(r.prompt_tokens for r in ok)
     tout = sum(r.output_tokens for r in ok)
@@ -65,11 +74,12 @@ def summarise(results: list[Result], duration: float, concurrency: int, num_gpus
         "request_throughput": len(ok) / duration, "output_throughput": tout / duration,
         "total_token_throughput": (tin + tout) / duration,
         "total_token_throughput_per_gpu": (tin + tout) / duration / num_gpus,
-        **_stats("ttft", [r.ttft for r in ok]),
+        "metric_percentiles": sorted({99, *percentiles}),
+        **_stats("ttft", [r.ttft for r in ok], percentiles),
         **_stats("tpot", [(r.latency - r.ttft) / (r.output_tokens - 1)
-                          for r in ok if r.output_tokens > 1]),
-        **_stats("itl", [x for r in ok for x in r.itl]),
-        **_stats("e2el", [r.latency for r in ok]),
+                          for r in ok if r.output_tokens > 1], percentiles),
+        **_stats("itl", [x for r in ok for x in r.itl], percentiles),
+        **_stats("e2el", [r.latency for r in ok], percentiles),
         "texts": [r.text if r.ok else None for r in results],
         "input_lens": [r.prompt_tokens for r in results],
         "output_lens": [r.output_tokens for r in results],
@@ -78,8 +88,9 @@ def summarise(results: list[Result], duration: float, concurrency: int, num_gpus
     }
 
 
-def table(s: dict) -> str:
-    """The result block of `vllm bench serve`, with the mode and per-GPU throughput added."""
+def table(s: dict, metrics=("ttft", "tpot", "itl")) -> str:
+    """The result block of `vllm bench serve` for `metrics` (its `--percentile-metrics`),
+    with the mode and per-GPU throughput added."""
     line = "{:<40} {:<10}".format
     out = ["{:=^50}".format(" Serving Benchmark Result "),
            line("Mode:", s["mode"]),
@@ -112,9 +123,14 @@ def table(s: dict) -> str:
                      f"{s['decode_step_floor_ms']:.1f} ({s['decode_floor_share']:.0%})")]
     for title, key, short in (("Time to First Token", "ttft", "TTFT"),
                               ("Time per Output Token (excl. 1st token)", "tpot", "TPOT"),
-                              ("Inter-token Latency", "itl", "ITL")):
+                              ("Inter-token Latency", "itl", "ITL"),
+                              ("End-to-end Latency", "e2el", "E2EL")):
+        if key not in metrics:
+            continue
         out.append("{:-^50}".format(title))
-        for stat, label in (("mean", "Mean"), ("median", "Median"), ("p99", "P99")):
+        stats = [("mean", "Mean"), ("median", "Median")] + [
+            (_p(p), _p(p).upper()) for p in s.get("metric_percentiles", [99])]
+        for stat, label in stats:
             out.append(line(f"{label} {short} (ms):", f"{s[f'{stat}_{key}_ms']:.2f}"))
     out += [f"errors: {e}" for e in s["errors"]]
     return "\n".join(out + ["=" * 50])
@@ -170,29 +186,48 @@ def roofline_figures(mode: str, s: dict, results: list[Result], roof: tuple) -> 
                                    if s["median_tpot_ms"] > 0 else float("nan"))}
 
 
-def plot(rows: list[dict], path: str) -> None:
+def plot(rows: list[dict], path: str, title: str = "") -> None:
+    """Four panels against concurrency: total tokens/s per GPU, TTFT and TPOT (median and
+    p99); and the curve disaggregation is judged by, tokens/s per GPU against each user's
+    tokens/s (1 / median TPOT), one point per level. Every y axis starts at 0. `title`:
+    the model, lengths and device."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display on servers and CI
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, ((a, b), (c, d)) = plt.subplots(2, 2, figsize=(11, 8))
     for i, mode in enumerate(dict.fromkeys(r["mode"] for r in rows)):
         rs = [r for r in rows if r["mode"] == mode]
-        c, color = [r["max_concurrency"] for r in rs], f"C{i}"
-        a.plot(c, [r["total_token_throughput_per_gpu"] for r in rs], "o-", color=color,
-               label=mode)
-        b.plot(c, [r["median_ttft_ms"] for r in rs], "o-", color=color, label=f"{mode} median")
-        b.plot(c, [r["p99_ttft_ms"] for r in rs], "x--", color=color, label=f"{mode} p99")
+        x, color = [r["max_concurrency"] for r in rs], f"C{i}"
+        per_gpu = [r["total_token_throughput_per_gpu"] for r in rs]
+        a.plot(x, per_gpu, "o-", color=color, label=mode)
+        for ax, key in ((b, "ttft"), (c, "tpot")):
+            ax.plot(x, [r[f"median_{key}_ms"] for r in rs], "o-", color=color,
+                    label=f"{mode} median")
+            ax.plot(x, [r[f"p99_{key}_ms"] for r in rs], "x--", color=color, label=f"{mode} p99")
+        per_user = [1e3 / r["median_tpot_ms"] if r["median_tpot_ms"] > 0 else float("nan")
+                    for r in rs]
+        d.plot(per_user, per_gpu, "o-", color=color, label=mode)
+        for u, g, n in zip(per_user, per_gpu, x):
+            d.annotate(f"C={n}", (u, g), textcoords="offset points", xytext=(4, 4), fontsize=7)
     a.set(xlabel="concurrency", ylabel="total tokens/s per GPU", title="Throughput")
     b.set(xlabel="concurrency", ylabel="TTFT (ms)", title="Time to first token")
+    c.set(xlabel="concurrency", ylabel="TPOT (ms)", title="Time per output token")
+    d.set(xlabel="output tokens/s per user (1 / median TPOT)",
+          ylabel="total tokens/s per GPU", title="Throughput against interactivity")
     levels = sorted({r["max_concurrency"] for r in rows})
-    for ax in (a, b):
+    for ax in (a, b, c):
         ax.set_xscale("log", base=2)
-        ax.set_xticks(levels, [str(c) for c in levels])
+        ax.set_xticks(levels, [str(n) for n in levels])
         ax.minorticks_off()
+    for ax in (a, b, c, d):
+        ax.set_ylim(bottom=0)
         ax.grid(True, alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize=8)
+    d.set_xlim(left=0)
+    if title:
+        fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -40,6 +40,7 @@ import time
 import threading
 
 import httpx
+import tenacity
 
 from serving import secret as shared_secret
 from serving.flags import API_FLAGS, API_SWITCHES, add_worker_flags, server_parser
@@ -91,11 +92,18 @@ def gpus() -> list[str]:
         return []
 
 
+# Without GPUs the workers compute on the CPU the router shares: XLA's threads take
+# every core for each step, and the router, reading a decode worker's frames late, then
+# reads two at once and streams them as a burst. At a lower priority the workers leave
+# the router (and local clients) the core the moment a frame arrives.
+CPU_WORKER_NICENESS = 10
+
+
 class Workers:
     """The worker processes: worker i sees only GPU i mod the GPU count
     (``CUDA_VISIBLE_DEVICES``; NIXL still reaches a peer's memory on another GPU, since CUDA
     opens IPC handles of devices a process does not see), and the shared secret in its
-    environment."""
+    environment; without GPUs they run at ``CPU_WORKER_NICENESS``."""
 
     def __init__(self, args, flags: list[str], secret: str):
         self.procs: dict[str, subprocess.Popen] = {}
@@ -109,8 +117,9 @@ class Workers:
                     base = args.worker_base_port + 2 * len(self.commands)
                     ports = ["--port", str(base), "--transfer-port", str(base + 1)]
                 port = int(ports[1])
-                cmd = [sys.executable, "-m", "serving.worker", "--role", role, *flags, *ports,
-                       *shlex.split(getattr(args, f"{role}_args"))]
+                nice = [] if devices else ["nice", "-n", str(CPU_WORKER_NICENESS)]
+                cmd = [*nice, sys.executable, "-m", "serving.worker", "--role", role, *flags,
+                       *ports, *shlex.split(getattr(args, f"{role}_args"))]
                 env = {**os.environ, shared_secret.ENV: secret}
                 env.pop(shared_secret.ENV_FILE, None)
                 if devices:
@@ -128,22 +137,33 @@ class Workers:
         stop(list(self.procs.values()))
 
 
-def wait_ready(procs, urls, timeout: float, secret: str) -> None:
-    deadline = time.monotonic() + timeout
+class NotReady(Exception):
+    """Servers that do not answer /health with 200 yet."""
+
+
+def wait_ready(procs, urls, timeout: float, headers: dict | None = None) -> None:
+    """Poll each server's /health every half second until all answer 200; SystemExit if
+    one's process exits meanwhile or `timeout` seconds pass."""
     pending = dict(zip(urls, procs))
-    while pending:
+
+    def poll() -> None:
         for url, proc in list(pending.items()):
             if proc.poll() is not None:
-                raise SystemExit(f"worker {url} exited with code {proc.returncode} during start-up")
+                raise SystemExit(f"{url}: {' '.join(proc.args)} exited with code "
+                                 f"{proc.returncode} during start-up")
             try:
-                r = httpx.get(f"{url}/health", timeout=1.0, headers=shared_secret.header(secret))
-                if r.status_code == 200:
+                if httpx.get(f"{url}/health", timeout=1.0, headers=headers).status_code == 200:
                     del pending[url]
             except httpx.TransportError:
                 pass
-        if time.monotonic() > deadline:
-            raise SystemExit(f"workers not ready after {timeout:.0f} s: {sorted(pending)}")
-        time.sleep(0.5)
+        if pending:
+            raise NotReady(sorted(pending))
+
+    try:
+        tenacity.Retrying(stop=tenacity.stop_after_delay(timeout), wait=tenacity.wait_fixed(0.5),
+                          retry=tenacity.retry_if_exception_type(NotReady), reraise=True)(poll)
+    except NotReady as e:
+        raise SystemExit(f"not ready after {timeout:.0f} s: {e}") from None
 
 
 def stop(procs: list[subprocess.Popen]) -> None:
@@ -236,7 +256,8 @@ def main(argv=None) -> None:
     stopping, failure = threading.Event(), []
     try:
         log.info("starting %d prefill and %d decode workers", len(prefill), len(decode))
-        wait_ready(list(workers.procs.values()), prefill + decode, args.startup_timeout, secret)
+        wait_ready(list(workers.procs.values()), prefill + decode, args.startup_timeout,
+                   shared_secret.header(secret))
         router = Router.from_workers(prefill, decode, secret=secret)
         tokenizer = Tokenizer(find_tokenizer(model, args.tokenizer))
         app = build_app(router, tokenizer, args.served_model_name or model,

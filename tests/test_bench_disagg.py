@@ -15,7 +15,7 @@ import numpy as np
 import psutil
 import pytest
 
-from bench.load import arrivals, dataset, length_bounds, prefix_dataset
+from bench.load import arrivals, dataset, length_bounds, prefix_dataset, sharegpt_like_dataset
 from bench.report import greedy_agreement
 from serving.ports import free_port
 
@@ -220,3 +220,44 @@ def test_started_servers_are_stopped(run):
             if p.info["cmdline"] and any(a in (str(port), str(port + 1))
                                          for a in p.info["cmdline"])]
     assert left == []
+
+
+def test_sharegpt_like_lengths_are_long_tailed_within_the_caps():
+    data = sharegpt_like_dataset(4000, 1024, 512, 100, seed=[0, 1])
+    ins = np.array([len(p) for p, _ in data])
+    outs = np.array([o for _, o in data])
+    assert ins.min() >= 4 and ins.max() == 1024 and outs.min() >= 1 and outs.max() == 512
+    assert 120 < np.median(ins) < 180 and 170 < np.median(outs) < 230  # log-normal medians
+    assert ins.mean() > 1.3 * np.median(ins)  # a long tail to the right
+    assert data == sharegpt_like_dataset(4000, 1024, 512, 100, seed=[0, 1])
+
+
+def test_tables_print_the_chosen_latencies_and_percentiles():
+    from bench.load import Result
+    from bench.report import summarise, table
+
+    results = [Result(prompt_tokens=10, ok=True, output_tokens=5, ttft=0.01 * i,
+                      latency=0.05 * i, itl=[0.01] * 4) for i in range(1, 11)]
+    s = {"mode": "aggregated", **summarise(results, 1.0, 4, 1, {}, (50, 90))}
+    assert s["p50_ttft_ms"] == pytest.approx(55.0) and s["p90_e2el_ms"] == pytest.approx(455.0)
+    text = table(s, ("ttft", "e2el"))
+    assert "P90 TTFT (ms):" in text and "P99 E2EL (ms):" in text and "TPOT" not in text
+
+
+def test_the_chat_backend_streams_through_chat_completions():
+    """--backend openai-chat: the prompts' text as user messages; the prompt length is
+    the server's (with the chat template's tokens)."""
+    import asyncio
+
+    import api_server
+    from bench.disagg import as_text
+    from bench.load import run_level
+
+    srv = api_server.shared()
+    data = as_text(srv.url, dataset(3, 12, 5, 1.0, "sa", 512, [0, 9]))
+    assert all(isinstance(p, str) and p for p, _ in data)
+    results, _, _ = asyncio.run(run_level(srv.url, "tiny", data, 2, True, "",
+                                          backend="openai-chat"))
+    for r in results:
+        assert r.ok and r.output_tokens == 5 and r.text, r.error
+        assert r.prompt_tokens > 12  # the template's role markers

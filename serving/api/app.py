@@ -22,7 +22,8 @@ import time
 import uuid
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
+from sse_starlette import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
 
 from serving.api import errors, render
@@ -55,16 +56,16 @@ def _stream_doc(chunk) -> dict:
                   "content": {"text/event-stream": {}}}}
 
 
-class EventStream(StreamingResponse):
-    """Server-sent events that always close their engine streams when the
-    response ends, so the requests behind an interrupted stream are aborted at
-    once, whichever way the ASGI server reports the disconnect (and even if
-    the response never started)."""
-
-    media_type = "text/event-stream"
+class EventStream(EventSourceResponse):
+    """Server-sent events (sse-starlette frames each item as a `data:` event, and sends a
+    keep-alive comment every 15 s, which keeps proxies from cutting a stream whose first
+    token waits behind a long queue) that always close their engine streams when the
+    response ends, so the requests behind an interrupted stream are aborted at once,
+    whichever way the ASGI server reports the disconnect (and even if the response never
+    started)."""
 
     def __init__(self, events, streams):
-        super().__init__(events)
+        super().__init__(events, sep="\n")
         self.streams = streams
 
     async def __call__(self, scope, receive, send):

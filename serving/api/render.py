@@ -20,12 +20,12 @@ from serving.api.protocol import (AssistantMessage, ChatChoice, ChatCompletionCh
 from serving.api.text import IncrementalDecoder, Tokenizer
 from serving.engine import RequestOutput
 
-DONE = "data: [DONE]\n\n"
+DONE = "[DONE]"  # the data of a stream's last event, as OpenAI ends it
 
 
 def sse(body) -> str:
-    data = body.model_dump_json() if hasattr(body, "model_dump_json") else json.dumps(body)
-    return f"data: {data}\n\n"
+    """The data of one server-sent event (`app.EventStream` frames it)."""
+    return body.model_dump_json() if hasattr(body, "model_dump_json") else json.dumps(body)
 
 
 def final_text(tok: Tokenizer, out: RequestOutput, job: Job) -> str:

@@ -1,4 +1,5 @@
-"""Text in and out: the tokenizer the server uses, and streaming detokenization.
+"""Text in and out: the tokenizer the server uses, and streaming detokenization
+(tokenizers' `DecodeStream`).
 
 The tokenizer comes from the checkpoint directory (`tokenizer.json`, loaded by
 transformers' AutoTokenizer so its chat template comes along) or, for the
@@ -7,8 +8,10 @@ built-in "tiny" presets, from `serving/assets/tiny/`.
 
 import os
 
-from qwen35_jax import builtin
+from tokenizers.decoders import DecodeStream
 from transformers import AutoTokenizer
+
+from qwen35_jax import builtin
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 BUILTIN_TOKENIZER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -87,31 +90,23 @@ _BYTE_OF_CHAR = {c: b for b, c in bytes_to_unicode().items()}  # byte-level BPE 
 class IncrementalDecoder:
     """Turns a growing list of token ids into text deltas.
 
-    One token may be part of a multi-byte character, so each step decodes a
-    short window (from the last point where the text was complete) and emits
-    only what extends it without a replacement character. With stop strings,
-    the last `holdback` characters are held back until the request finishes:
-    the engine cuts the text where a stop string starts, and a streamed prefix
-    of the stop string could not be taken back.
+    tokenizers' `DecodeStream` holds back a token that is only part of a UTF-8
+    character (or of a word piece it cannot place yet) until the text is whole.
+    With stop strings, the last `holdback` characters are held back as well until the
+    request finishes: the engine cuts the text where a stop string starts, and a
+    streamed prefix of the stop string could not be taken back.
     """
 
     def __init__(self, tokenizer: Tokenizer, holdback: int = 0):
-        self.tokenizer = tokenizer
+        self._backend = tokenizer.hf.backend_tokenizer
+        self._stream = DecodeStream(skip_special_tokens=True)
         self.holdback = holdback
-        self.ids: list[int] = []
         self.text = ""
         self.sent = 0  # characters of `text` already emitted
-        self._prefix = 0  # window start
-        self._read = 0  # window tokens already in `text`
 
     def push(self, new_ids: list[int]) -> str:
-        self.ids += new_ids
-        decode = self.tokenizer.decode
-        done = decode(self.ids[self._prefix:self._read])
-        window = decode(self.ids[self._prefix:])
-        if len(window) > len(done) and not window.endswith("\ufffd"):
-            self.text += window[len(done):]
-            self._prefix, self._read = self._read, len(self.ids)
+        for token_id in new_ids:
+            self.text += self._stream.step(self._backend, token_id) or ""
         return self._emit(len(self.text) - self.holdback)
 
     def finish(self, final_text: str) -> str:
