@@ -92,18 +92,11 @@ def gpus() -> list[str]:
         return []
 
 
-# Without GPUs the workers compute on the CPU the router shares: XLA's threads take
-# every core for each step, and the router, reading a decode worker's frames late, then
-# reads two at once and streams them as a burst. At a lower priority the workers leave
-# the router (and local clients) the core the moment a frame arrives.
-CPU_WORKER_NICENESS = 10
-
-
 class Workers:
     """The worker processes: worker i sees only GPU i mod the GPU count
     (``CUDA_VISIBLE_DEVICES``; NIXL still reaches a peer's memory on another GPU, since CUDA
     opens IPC handles of devices a process does not see), and the shared secret in its
-    environment; without GPUs they run at ``CPU_WORKER_NICENESS``."""
+    environment."""
 
     def __init__(self, args, flags: list[str], secret: str):
         self.procs: dict[str, subprocess.Popen] = {}
@@ -117,9 +110,8 @@ class Workers:
                     base = args.worker_base_port + 2 * len(self.commands)
                     ports = ["--port", str(base), "--transfer-port", str(base + 1)]
                 port = int(ports[1])
-                nice = [] if devices else ["nice", "-n", str(CPU_WORKER_NICENESS)]
-                cmd = [*nice, sys.executable, "-m", "serving.worker", "--role", role, *flags,
-                       *ports, *shlex.split(getattr(args, f"{role}_args"))]
+                cmd = [sys.executable, "-m", "serving.worker", "--role", role, *flags, *ports,
+                       *shlex.split(getattr(args, f"{role}_args"))]
                 env = {**os.environ, shared_secret.ENV: secret}
                 env.pop(shared_secret.ENV_FILE, None)
                 if devices:
@@ -238,7 +230,7 @@ def main(argv=None) -> None:
     import uvicorn
 
     from serving.api.app import build_app
-    from serving.api.server import api_key, server_options
+    from serving.api.server import api_key, model_root, server_options
     from serving.api.text import Tokenizer, find_tokenizer
     from serving.router import Router
 
@@ -261,7 +253,8 @@ def main(argv=None) -> None:
         router = Router.from_workers(prefill, decode, secret=secret)
         tokenizer = Tokenizer(find_tokenizer(model, args.tokenizer))
         app = build_app(router, tokenizer, args.served_model_name or model,
-                        api_key=api_key(args), max_request_bytes=args.max_request_bytes,
+                        model_path=model_root(model), api_key=api_key(args),
+                        max_request_bytes=args.max_request_bytes,
                         options=server_options(args, model))
         log.info("serving %s on http://%s:%d (prefill %s, decode %s)", model, args.host,
                  args.port, prefill, decode)

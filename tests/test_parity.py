@@ -238,6 +238,26 @@ def test_the_api_key_is_required_on_both(servers):
         assert _client(url).models.list().data[0].id == MODEL
 
 
+def test_the_model_card_and_the_tokenizer_routes_are_the_same_on_both(servers):
+    """vLLM's /v1/models fields (root: the checkpoint's path), /tokenize of a chat and
+    /detokenize answer alike from the router and the aggregated server."""
+    auth = {"Authorization": f"Bearer {KEY}"}
+    answers = []
+    for url in servers[:2]:
+        card = _client(url).models.list().data[0].model_dump()
+        card.pop("created")
+        chat = httpx.post(f"{url}/tokenize", headers=auth, timeout=60,
+                          json={"messages": [{"role": "user", "content": "2 + 2?"}]}).json()
+        text = httpx.post(f"{url}/detokenize", headers=auth, timeout=60,
+                          json={"tokens": chat["tokens"]}).json()
+        answers.append((card, chat, text))
+    assert answers[0] == answers[1]
+    card, chat, text = answers[0]
+    assert os.path.isabs(card["root"]) and card["root"].endswith(MODEL), card
+    assert card["max_model_len"] == chat["max_model_len"] > chat["count"] > 0
+    assert "2 + 2?" in text["prompt"]
+
+
 def test_a_body_over_the_limit_is_a_413_before_it_is_read(servers):
     for url in servers[:2]:
         r = httpx.post(f"{url}/v1/completions", timeout=60,

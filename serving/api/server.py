@@ -89,13 +89,17 @@ def build(args) -> tuple:
               hf_overrides=args.hf_overrides, quantization=args.quantization,
               compilation_cache_dir=args.compilation_cache_dir, **engine_kwargs(args))
     engine = AsyncEngine(llm.engine, max_queued_requests=args.max_queued_requests)
-    name = args.served_model_name or model
-    path = builtin.resolve(model)
-    app = build_app(engine, tokenizer, name, model_path=os.path.abspath(path)
-                    if os.path.isdir(path) else model, api_key=api_key(args),
+    app = build_app(engine, tokenizer, args.served_model_name or model,
+                    model_path=model_root(model), api_key=api_key(args),
                     max_request_bytes=args.max_request_bytes,
                     options=server_options(args, model))
     return app, engine
+
+
+def model_root(model: str) -> str:
+    """`/v1/models`' `root`: the checkpoint directory's absolute path, else the preset."""
+    path = builtin.resolve(model)
+    return os.path.abspath(path) if os.path.isdir(path) else model
 
 
 def api_key(args) -> str | None:
