@@ -1,4 +1,4 @@
-"""Benchmark + on-GPU correctness for the GDN / conv1d kernels (issue 3), and the command
+"""Benchmark + on-GPU correctness for the GDN / conv1d kernels, and the command
 that also runs the paged-attention part (bench/attention_kernels.py, ``--parts
 attention``); both use bench/harness.py.
 

@@ -1,6 +1,6 @@
 """Pallas kernels for qwen35-jax (GPU kernels with pure-JAX references).
 
-GDN and conv1d ops (issue 3) are exported here; attention kernels live in
+GDN and conv1d ops are exported here; attention kernels live in
 ``pallas_kernels.attention`` (imported on demand).  ``default_backend`` sets
 the backend that these ops, called with "auto", take while a program is traced.
 """

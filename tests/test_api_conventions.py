@@ -381,3 +381,21 @@ def test_stream_interval_sends_a_choice_n_tokens_at_a_time(tok):
     sizes = [b - a for a, b in zip([0] + counts, counts)]
     assert sizes == [1] + [4] * ((n - 1) // 4) + ([(n - 1) % 4] if (n - 1) % 4 else [])
     assert "".join(c.choices[0].text for c in chunks if c.choices) == backend.reply
+
+
+def test_every_sampling_field_reaches_the_backend(served):
+    """What a request sets is what the engine is given, for completions and chats alike
+    (a server that dropped top_k or min_p would pass a test that only sees a 200)."""
+    backend, url = served["coder"]
+    backend.reply = "ok"
+    common = dict(temperature=0.7, top_p=0.8, seed=3, stop=["zz"],
+                  extra_body={"top_k": 5, "min_p": 0.1, "stop_token_ids": [7],
+                              "ignore_eos": True, "include_stop_str_in_output": True})
+    client(url).completions.create(model="tiny", prompt="x", max_tokens=9, logprobs=2, **common)
+    client(url).chat.completions.create(model="tiny", messages=ASK, max_tokens=9,
+                                        logprobs=True, top_logprobs=2, **common)
+    for _, p in backend.requests[-2:]:
+        assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.min_p, p.seed) == (
+            9, 0.7, 0.8, 5, 0.1, 3)
+        assert (p.stop, p.stop_token_ids, p.ignore_eos, p.include_stop_str_in_output,
+                p.logprobs) == (["zz"], [7], True, True, 2)

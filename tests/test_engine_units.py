@@ -312,3 +312,35 @@ def test_idle_timer_counts_device_busy_and_idle_time():
     assert c["device_busy_s"] >= 0.15 and c["device_idle_s"] >= 0.1
     assert c["busy_span_s"] == c["device_busy_s"] + c["device_idle_s"]
     assert c["host_idle_share"] == c["device_idle_s"] / c["busy_span_s"]
+
+
+def test_cpu_defaults_fill_only_what_is_unset():
+    """On a CPU (this suite's platform) `LLM()` and the servers take small limits for the
+    fields left unset: three programs, blocks for every sequence at full length."""
+    from serving.llm import CPU_LIMITS, engine_defaults
+
+    assert jax.default_backend() == "cpu"
+    assert engine_defaults({}) == {**CPU_LIMITS, "num_blocks": 8 * 64,
+                                   "buckets": Buckets((32, 64), (8,), (8,))}
+    kw = engine_defaults({"max_num_seqs": 2, "max_model_len": 100, "block_size": 8})
+    assert kw["max_num_batched_tokens"] == 64 and kw["num_blocks"] == 2 * 13
+    assert kw["buckets"] == Buckets((32, 64), (2,), (2,))
+    given = Buckets((16,), (1,), (1,))
+    assert engine_defaults({"buckets": given, "num_blocks": 5})["buckets"] is given
+
+
+def test_compiled_programs_go_to_the_persistent_cache(tmp_path):
+    """In a fresh process (JAX reads the cache directory once per process)."""
+    import os
+    import subprocess
+    import sys
+
+    probe = ("import jax, jax.numpy as jnp, sys\n"
+             "from serving.engine.compilation_cache import use_compilation_cache\n"
+             "use_compilation_cache(sys.argv[1])\n"
+             "jax.jit(lambda x: jnp.cos(x) * 3.25 + 1.5).lower(jnp.ones(7)).compile()\n")
+    r = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "xla")],
+                       capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert any((tmp_path / "xla").iterdir())  # an entry, however quick the compile
