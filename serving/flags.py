@@ -18,6 +18,13 @@ def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(","))
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def _json_object(text: str) -> dict:
     try:
         value = json.loads(text)
@@ -101,7 +108,7 @@ def server_parser(prog: str = "python -m serving.api",
                         "sequences exact; bfloat16 halves its memory and transfer bytes)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="prepare step N+1 on the host while the device runs step N")
-    p.add_argument("--stream-interval", type=int, default=1, metavar="N",
+    p.add_argument("--stream-interval", type=_positive, default=1, metavar="N",
                    help="tokens per streamed event: a choice's first token leaves at once, "
                         "then every N tokens and its last (fewer events at high concurrency)")
     p.add_argument("--compilation-cache-dir", default=DEFAULT_COMPILATION_CACHE,

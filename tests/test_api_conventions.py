@@ -399,3 +399,29 @@ def test_every_sampling_field_reaches_the_backend(served):
             9, 0.7, 0.8, 5, 0.1, 3)
         assert (p.stop, p.stop_token_ids, p.ignore_eos, p.include_stop_str_in_output,
                 p.logprobs) == (["zz"], [7], True, True, 2)
+
+
+def test_generation_config_gives_the_sampling_defaults(tmp_path):
+    """--generation-config auto reads the checkpoint's sampling fields (the ones the engine
+    has: repetition_penalty is not among them), vllm none, DIR that directory's; values a
+    request could not have are refused at start-up."""
+    from serving.api.server import server_options
+    from serving.flags import server_parser
+
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.05,
+         "eos_token_id": [1]}))
+
+    def options(*flags):
+        return server_options(server_parser().parse_args(["--model", str(tmp_path), *flags]),
+                              str(tmp_path))
+
+    assert options().sampling_defaults == {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+    assert options("--generation-config", "vllm").sampling_defaults == {}
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "generation_config.json").write_text('{"top_p": 0}')
+    with pytest.raises(SystemExit, match="top_p"):
+        options("--generation-config", str(other))
+    with pytest.raises(SystemExit, match="needs --tool-call-parser"):
+        options("--enable-auto-tool-choice")

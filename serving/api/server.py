@@ -13,6 +13,7 @@ from serving.api.app import build_app
 from serving.api.prepare import SAMPLING_DEFAULTS, ServerOptions
 from serving.api.text import Tokenizer, find_tokenizer
 from serving.async_engine import AsyncEngine
+from serving.engine import SamplingParams
 from serving.engine.buckets import Buckets
 from serving.flags import server_parser
 from serving.llm import LLM, engine_defaults
@@ -38,13 +39,15 @@ def server_options(args, model: str) -> ServerOptions:
         with open(path) as f:
             config = json.load(f)
         defaults = {k: config[k] for k in SAMPLING_DEFAULTS if k in config}
+        try:
+            SamplingParams(**defaults)
+        except (TypeError, ValueError) as e:
+            raise SystemExit(f"{path}: sampling defaults {defaults}: {e}") from None
         if defaults:
             log.info("sampling defaults from %s: %s", path, defaults)
     elif args.generation_config not in ("auto", "vllm"):
         raise SystemExit(f"--generation-config: no generation_config.json in "
                          f"{args.generation_config}")
-    if args.stream_interval < 1:
-        raise SystemExit("--stream-interval must be at least 1")
     return ServerOptions(reasoning_parser=args.reasoning_parser,
                          tool_call_parser=args.tool_call_parser,
                          auto_tool_choice=args.enable_auto_tool_choice,
