@@ -111,9 +111,10 @@ def server_parser(prog: str = "python -m serving.api",
     p.add_argument("--stream-interval", type=_positive, default=1, metavar="N",
                    help="tokens per streamed event: a choice's first token leaves at once, "
                         "then every N tokens and its last (fewer events at high concurrency)")
-    p.add_argument("--compilation-cache-dir", default=DEFAULT_COMPILATION_CACHE,
-                   metavar="DIR", help="XLA's persistent cache of compiled programs, so a "
-                   "second start compiles nothing ('' turns it off)")
+    p.add_argument("--compilation-cache-dir", default=None, metavar="DIR",
+                   help="XLA's persistent cache of compiled programs, so a second start "
+                        "compiles nothing (default: JAX_COMPILATION_CACHE_DIR if set, else "
+                        f"{DEFAULT_COMPILATION_CACHE}; '' turns it off)")
     p.add_argument("--log-level", default="info")
     return p
 

@@ -26,7 +26,6 @@ from serving.engine import Engine, EngineConfig, RequestOutput, SamplingParams
 from serving.engine.buckets import Buckets
 from serving.engine.capacity import allocate_cache, plan_capacity
 from serving.engine.compilation_cache import use_compilation_cache
-from serving.flags import DEFAULT_COMPILATION_CACHE
 
 # On a CPU, long prefill programs are slow (seconds per step for the tiny model at 256
 # tokens), so prompts are prefilled in chunks of at most 64 tokens.
@@ -111,7 +110,7 @@ def _load_tokenizer(tokenizer, model):
 class LLM:
     def __init__(self, model, *, tokenizer=None, dtype=None, seed: int = 0,
                  hf_overrides: dict | None = None, quantization: str | None = None,
-                 compilation_cache_dir: str | None = DEFAULT_COMPILATION_CACHE,
+                 compilation_cache_dir: str | None = None,
                  **engine_kwargs):
         use_compilation_cache(compilation_cache_dir)
         if dtype is None:

@@ -112,11 +112,18 @@ def build_app(backend: Backend, tokenizer: Tokenizer, model_name: str, *,
             return errors.error_response(errors.APIError(str(e), status=503))
         return Response(status_code=200)
 
-    @app.api_route("/ping", methods=["GET", "POST"], response_class=Response,
-                   responses={200: {"description": "Healthy (empty body)"},
-                              503: {"model": ErrorResponse, "description": "The engine stopped"}})
+    probe = {"response_class": Response,
+             "responses": {200: {"description": "Healthy (empty body)"},
+                           503: {"model": ErrorResponse, "description": "The engine stopped"}}}
+
+    @app.get("/ping", **probe)
     async def ping():
         """/health under the name load balancers of some platforms probe (vLLM's)."""
+        return await health()
+
+    @app.post("/ping", **probe)
+    async def ping_post():
+        """/ping by POST, as vLLM answers it too."""
         return await health()
 
     @app.get("/version", response_model=VersionResponse)

@@ -8,18 +8,21 @@ program read back (JAX reports it as a backend compile), so a shape that escapes
 buckets while serving is reported either way.
 """
 
-import logging
 import os
 
 import jax
 
-log = logging.getLogger(__name__)
+from serving.flags import DEFAULT_COMPILATION_CACHE
 
 
-def use_compilation_cache(path: str | None) -> None:
-    """Keep compiled programs in `path` (None or '': no persistent cache)."""
-    if not path:
+def use_compilation_cache(path: str | None = None) -> None:
+    """Keep compiled programs in `path`; None: where JAX is told to already
+    (``JAX_COMPILATION_CACHE_DIR``, as the test suite sets for its processes), else
+    ``~/.cache/qwen35_jax/xla``; '': no persistent cache."""
+    if path == "":
+        jax.config.update("jax_enable_compilation_cache", False)
         return
+    path = path or jax.config.jax_compilation_cache_dir or DEFAULT_COMPILATION_CACHE
     os.makedirs(path, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", path)
     # every step program, however quick to compile alone: on a CPU each takes about a
