@@ -9,7 +9,8 @@ attention``); both use bench/harness.py.
                             [--out DIR]
 
 Order: environment, ceilings (copy bandwidth, bf16 matmul, measured here),
-float64-oracle checks of every Pallas kernel on the GPU, then for each shape
+float64-oracle checks of every Pallas kernel on the GPU (with the test suite's
+``gpu``-marked tests), then for each shape
 our kernel and FLA (``fla.ops.gated_delta_rule``) on the same inputs: a
 correctness comparison first, then the timings.  Prefill shapes of one sequence
 length are timed twice: packed with cu_seqlens (the serving path) and batched as FLA
@@ -90,6 +91,24 @@ def _snapshot_check(tag, cu, inputs, init, pcfg, o_plain, tol):
             dk ** -0.5, True)
         worst = max(worst, oracle.rel_err(f64(snaps[s]), want[0]))
     check(tag + " snapshots: states", worst, tol)
+
+
+def gpu_tests():
+    """The suite's tests of the kernels only a GPU runs (``pytest -m gpu``), here, natively;
+    their verdict joins the checks. Only the files that hold such tests are collected: the
+    others import what a GPU image need not have (the API client, the notebook runner)."""
+    import glob
+
+    import pytest
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    files = [f for f in sorted(glob.glob(os.path.join(repo, "tests", "test_*.py")))
+             if "pytest.mark.gpu" in open(f).read()]
+    log("== the test suite's gpu-marked tests:", ", ".join(map(os.path.basename, files)), "==")
+    code = pytest.main(["-q", "-m", "gpu", "-p", "no:cacheprovider", *files])
+    RESULTS["checks"].append(dict(name="pytest -m gpu tests", rel_err=float(code), tol=0.0,
+                                  ok=code == 0))
+    log(f"  pytest -m gpu tests: exit {int(code)} ({'ok' if code == 0 else 'FAIL'})")
 
 
 def small_checks():
@@ -593,6 +612,7 @@ def main(argv=None):
     ceilings(a.quick)
     if "check" in parts:
         small_checks()
+        gpu_tests()
     if "prefill" in parts:
         prefill_bench(a.quick, a.variants, not a.no_fla,
                       a.prefill_shapes.split(",") if a.prefill_shapes else None)

@@ -394,7 +394,8 @@ def test_injected_transfer_error_and_timeout_fail_only_their_request(stack):
         good = await run_all(router, prompts(3, seed=11), params)
         return bad[0], good
 
-    for kind, event in (("fail_next", "error: injected"), ("hang_next", "timeout: no completion")):
+    for kind, event in (("fail_next", "error: posting READ failed: injected"),
+                        ("hang_next", "timeout: no completion")):
         bad, good = asyncio.run(go(kind))
         assert isinstance(bad, WorkerFailed) and f"transfer failed ({event}" in str(bad), bad
         assert all(not isinstance(g, BaseException) and len(g.token_ids) == 8 for g in good)

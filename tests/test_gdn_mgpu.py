@@ -3,9 +3,9 @@
 Its chunk table runs anywhere (plain XLA). Its kernels need wgmma: they run natively on
 an sm90 GPU, or in JAX's Mosaic GPU interpreter, which ships from jax 0.11; on the CPU
 with an older jax (the CI's 0.10.2) that test is skipped, and the same kernels are
-checked against the float64 oracle on the GPU by ``python -m bench.kernels --parts
-check`` (bench/RESULTS.md). The Triton kernels' tests cover the same recursion (the
-doubling inverse, ``test_gdn_kernels.py``).
+checked against the float64 oracle on the GPU by these tests marked ``gpu``, which
+``python -m bench.kernels --parts check`` runs there (bench/RESULTS.md). The Triton
+kernels' tests cover the same recursion (the doubling inverse, ``test_gdn_kernels.py``).
 """
 from __future__ import annotations
 
@@ -163,10 +163,11 @@ def _need_runner():
     runner = _runner()
     if runner is None:
         pytest.skip("needs an sm90 GPU or jax >= 0.11 (Mosaic GPU interpreter); "
-                    "bench.kernels --parts check runs it on the GPU")
+                    "python -m bench.kernels --parts check runs it on the GPU")
     return runner
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("with_init,shared,dk", [(True, 0.0, 64), (False, 3.0, 64),
                                                  (True, 0.0, 128)])
 def test_mgpu_prefill_matches_oracle(with_init, shared, dk):
@@ -184,6 +185,7 @@ def test_mgpu_prefill_matches_oracle(with_init, shared, dk):
     assert np.all(o[cu[-1]:] == 0.0)
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("with_init", [True, False])
 def test_mgpu_prefill_snapshots_match_oracle(with_init):
     """The states at snapshot ends (inside blocks, two in one, on the grid, at sequence
@@ -212,6 +214,7 @@ def test_mgpu_prefill_snapshots_match_oracle(with_init):
         assert rel_err(snaps[i], ref[0]) < 1e-2, (i, e)
 
 
+@pytest.mark.gpu
 def test_mgpu_prefill_other_sequences_nan_stays_out():
     """Non-finite values in one sequence's rows and in the padding reach no other
     sequence: the blocks a sequence shares are read whole, and 0 * NaN is NaN."""

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from serving.kv_transfer import CacheLayout, pull_items, source_record
-from transfer import (Agent, ClaimError, CompatibilityError, HandshakeError, ProgressThread,
-                      Region, Ticket, TransferManager, TransferParamsError, allocate, host_view)
+from transfer import (Agent, ClaimError, CompatibilityError, FaultyAgent, HandshakeError,
+                      ProgressThread, Region, Ticket, TransferManager, TransferParamsError,
+                      allocate, host_view)
 
 BLOCK, BLOCKS, SLOT, SLOTS, CONV = 4096, 64, 2048, 4, 512
 # the regions above as a cache's blocks and slots (rows only matter between unequal splits)
@@ -28,7 +29,9 @@ def make_manager(compat=COMPAT, port=0, seed=None, secret=SECRET):
         rng = np.random.default_rng(seed)
         for r in (kv, conv, ssm):
             host_view(r)[:] = rng.integers(0, 256, r.nbytes, dtype=np.uint8)
-    return TransferManager(Agent([kv, conv, ssm]), compat, port=port, secret=secret)
+    # the agent counts faults to inject (transfer.faults): the tests set them
+    return TransferManager(FaultyAgent(Agent([kv, conv, ssm])), compat, port=port,
+                           secret=secret)
 
 
 def pull(puller, ticket, *args, **kw):
@@ -228,7 +231,7 @@ def test_the_handshake_and_claims_require_the_shared_secret():
 def test_pending_pull_extends_the_lease_until_it_ends(source, puller):
     log, on_free = freed_log()
     params = source.pin(blocks([3]), on_free=on_free, ttl=1.0)
-    puller.faults.hang_next = 1  # posted never, so the pull stays pending until its deadline
+    puller.agent.hang_next = 1  # posted never, so the pull stays pending until its deadline
     pid = pull(puller, params, blocks([3]), timeout=2.5)
     end = time.monotonic() + 2.0  # twice the lease's TTL
     drive(source, puller, until=lambda d: time.monotonic() > end)
@@ -242,7 +245,7 @@ def test_a_pull_started_late_in_its_lease_extends_it_at_once(source, puller):
     log, on_free = freed_log()
     params = source.pin(blocks([4]), on_free=on_free, ttl=1.0)
     time.sleep(0.75)  # the pull starts with a quarter of the lease left
-    puller.faults.hang_next = 1
+    puller.agent.hang_next = 1
     pid = pull(puller, params, blocks([4]), timeout=1.5)
     end = time.monotonic() + 0.6  # past the lease's first expiry
     drive(source, puller, until=lambda d: time.monotonic() > end)
@@ -254,7 +257,7 @@ def test_a_pull_started_late_in_its_lease_extends_it_at_once(source, puller):
 def test_injected_transfer_error_is_reported_and_the_source_frees(source, puller):
     log, on_free = freed_log()
     params = source.pin(blocks([4]), on_free=on_free)
-    puller.faults.fail_next = 1
+    puller.agent.fail_next = 1
     pid = pull(puller, params, blocks([4]))
     c = drive(source, puller, until=lambda d: pid in d and log)[pid]
     assert c.error.kind == "error" and "injected" in c.error.detail
@@ -278,7 +281,7 @@ def test_a_failed_pull_pings_its_peer_outside_the_lock(source, puller, monkeypat
 
     monkeypatch.setattr(transfer.manager, "ping", ping)
     params = source.pin(blocks([4]))
-    puller.faults.fail_next = 1
+    puller.agent.fail_next = 1
     pid = pull(puller, params, blocks([4]))
     c = drive(source, puller, until=lambda d: pid in d)[pid]
     assert held == [False]
@@ -349,7 +352,7 @@ def test_a_lost_peer_is_forgotten_only_once_its_reads_have_drained(monkeypatch):
 def test_a_lost_read_notification_is_repeated(source, puller):
     log, on_free = freed_log()
     params = source.pin(blocks([6]), on_free=on_free)
-    puller.faults.lose_notif_next = 1
+    puller.agent.lose_notif_next = 1
     pid = pull(puller, params, blocks([6]))
     c = drive(source, puller, until=lambda d: pid in d)[pid]
     assert c.ok and log == [(params.lease, "done")]
@@ -509,7 +512,7 @@ def test_dead_source_is_reported_as_peer_gone(puller):
     gone = make_manager()
     params = gone.pin(blocks([0]))
     claim = puller.claim(params)
-    puller.faults.hang_next = 1
+    puller.agent.hang_next = 1
     pending = puller.pull(claim, blocks([0]), timeout=30)
     puller.peer_lost(params.agent)
     assert drive(puller, until=lambda d: pending in d)[pending].error.kind == "peer_gone"
@@ -602,7 +605,7 @@ def test_landed_reports_bytes_in_place_but_only_the_ack_makes_a_pull_ok(source, 
     c = drive(source, puller, until=lambda d: stale in d)[stale]
     assert puller.landed() == [stale] and c.error.kind == "stale"  # landed, yet refused
 
-    puller.faults.hang_next = 1
+    puller.agent.hang_next = 1
     hung = pull(puller, source.pin(blocks([6])), blocks([6]), timeout=0.5)
     c = drive(source, puller, until=lambda d: hung in d)[hung]
     assert c.error.kind == "timeout" and puller.landed() == []

@@ -13,7 +13,8 @@ Knows regions, offsets and lengths, never models or requests (it imports nothing
 * ``ticket``: what a source hands a puller, and what claiming it returns;
 * ``manager``: pin under a lease, claim, pull (READ) with notification, timeouts, failure
   reports;
-* ``progress``: a thread that runs the manager's protocol while its owner is busy.
+* ``progress``: a thread that runs the manager's protocol while its owner is busy;
+* ``faults``: an agent wrapper that fails, hangs or mutes the next READs (tests only).
 
 At start-up, per worker::
 
@@ -31,15 +32,16 @@ offset, byte length)``.
 from transfer.agent import Agent
 from transfer.descriptors import DescriptorError, Plan, coalesce, plan
 from transfer.handshake import CompatibilityError, HandshakeError, check_compatible
+from transfer.faults import FaultyAgent
 from transfer.lease import ClaimError
-from transfer.manager import (Completion, Faults, TransferError, TransferManager,
+from transfer.manager import (Completion, TransferError, TransferManager,
                               TransferParamsError)
 from transfer.memory import AddressMovedError, Region, allocate, free_bytes, host_view, size_xla_pool
 from transfer.progress import ProgressThread
 from transfer.ticket import Claim, Ticket
 
 __all__ = [
-    "AddressMovedError", "Agent", "Claim", "ClaimError", "CompatibilityError", "Completion", "DescriptorError", "Faults",
+    "AddressMovedError", "Agent", "Claim", "ClaimError", "CompatibilityError", "Completion", "DescriptorError", "FaultyAgent",
     "HandshakeError", "Plan", "ProgressThread", "Region", "TransferError", "TransferManager",
     "Ticket", "TransferParamsError", "allocate", "check_compatible", "coalesce", "free_bytes", "host_view",
     "plan", "size_xla_pool",

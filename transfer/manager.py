@@ -117,17 +117,6 @@ class TransferError(RuntimeError):
         super().__init__(f"{kind}: {detail}")
 
 
-@dataclasses.dataclass
-class Faults:
-    """Fault injection for tests: the next ``fail_next`` pulls report a transfer error, the
-    next ``hang_next`` pulls are never posted and so end by timeout, and the next
-    ``lose_notif_next`` READs carry no notification (as if it were lost)."""
-
-    fail_next: int = 0
-    hang_next: int = 0
-    lose_notif_next: int = 0
-
-
 @dataclasses.dataclass(frozen=True)
 class Completion:
     """The end of a pull: ``error`` is None on success; sizes describe the READ."""
@@ -162,12 +151,12 @@ class _Pull:
     started: float
     deadline: float
     next_extend: float
-    handle: object = None  # NIXL transfer handle while the READ is in flight
+    handle: object = None  # NIXL transfer handle while the READ is in flight (None: none
+    # was posted, or NIXL took none: the pull then waits for its deadline)
     read_done: bool = False
     tag: str = ""  # names this pull in "done" and "ack" messages
     next_done: float = 0.0  # when to repeat "done" if the source has not acked
     ack: str | None = None
-    hung: bool = False
     settled: bool = True  # False while its failed READ drains
     queued: bool = False  # held back until the first pull on a fresh connection completes
     marks: dict = dataclasses.field(default_factory=dict)  # phase -> monotonic time it ended
@@ -188,17 +177,17 @@ class TransferManager:
     the workers' shared secret, which the endpoint requires of every peer and this side
     presents to others; the endpoint serves on ``host:port`` (0: any free port) from
     construction until ``close()``;
-    ``lease_ttl`` is the default lease lifetime in seconds; ``faults`` injects failures.
+    ``lease_ttl`` is the default lease lifetime in seconds (``transfer.faults`` wraps the
+    agent to inject failures).
     ``opened`` is set whenever the owner pins or pulls, so a progress thread that idles
     between polls can wake up at once (``transfer.progress``).
     """
 
     def __init__(self, agent: Agent, compat: dict, *, secret: str, host: str = "127.0.0.1",
-                 port: int = 0, lease_ttl: float = 30.0, faults: Faults | None = None):
+                 port: int = 0, lease_ttl: float = 30.0):
         self.agent = agent
         self._secret = secret
         self.lease_ttl = lease_ttl
-        self.faults = faults or Faults()
         self._hello = Hello(agent.name, agent.metadata(), agent.regions, compat)
         self._incoming: queue.SimpleQueue[Hello] = queue.SimpleQueue()  # accepted by the server
         self._peers: dict[str, Hello] = {}
@@ -387,13 +376,7 @@ class TransferManager:
                   now, marks={"plan": now})
         p.tag = f"{self._epoch}.{p.id}"
         self._pulls[p.id] = p
-        if self.faults.fail_next > 0:
-            self.faults.fail_next -= 1
-            self._fail(p, ERROR, "injected transfer error")
-        elif self.faults.hang_next > 0:
-            self.faults.hang_next -= 1
-            p.hung = True
-        elif agent not in self._proven and self._in_flight(agent, but=p):
+        if agent not in self._proven and self._in_flight(agent, but=p):
             # A burst of READs on a connection still being set up lost notifications and
             # READ completions on CPU/UCX (2 of 7 runs of 32 concurrent requests): the
             # first pull to a peer goes alone, the rest follow once one has completed.
@@ -433,16 +416,13 @@ class TransferManager:
             self._landed.append(p.id)
             return
         peer_mem = next(iter(self._peers[p.peer].regions.values())).mem_type  # one type per agent
-        if self.faults.lose_notif_next > 0:
-            self.faults.lose_notif_next -= 1
-            msg = b""
         try:
             p.handle, state = self.agent.read(p.peer, p.plan.local, p.plan.remote, peer_mem, msg)
         except PeerDisconnected as e:
             self._fail(p, PEER_GONE, str(e))
             return
         except Exception as e:  # NIXL raises its own types for unknown peers, bad descriptors, ...
-            self._fail(p, ERROR, f"posting READ failed: {e!r}")
+            self._fail(p, ERROR, f"posting READ failed: {e}")
             return
         p.marks["post"] = time.monotonic()
         self._on_state(p, state)

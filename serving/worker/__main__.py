@@ -67,6 +67,7 @@ def main(argv=None):
                   host=a.host, transfer_port=a.transfer_port,
                   transfer_interface=a.transfer_interface,
                   max_queued_requests=a.max_queued_requests,
+                  fault_injection=a.enable_fault_injection,
                   tokenizer=Tokenizer(find_tokenizer(name, a.tokenizer)))
     if a.role == "prefill":
         worker = PrefillWorker(model, config, **common)

@@ -106,8 +106,7 @@ def build_app(worker, *, secret: str, max_body_bytes: int,
         async def faults(request: Request):
             """Make the next pulls fail (``fail_next``) or hang until timeout (``hang_next``)."""
             body = await _body(request, _Faults)
-            worker.transfer.faults.fail_next, worker.transfer.faults.hang_next = \
-                body.fail_next, body.hang_next
+            worker.agent.fail_next, worker.agent.hang_next = body.fail_next, body.hang_next
             return {"ok": True}
 
     if worker.role == "prefill":

@@ -29,7 +29,7 @@ from serving.engine import Engine, EngineConfig
 from serving.engine.capacity import cache_dtype, plan_capacity
 from serving.kv_transfer import allocate_registered_cache, compat_record
 from serving.llm import model_config
-from transfer import Agent, Faults, ProgressThread, TransferManager, free_bytes
+from transfer import Agent, FaultyAgent, ProgressThread, TransferManager, free_bytes
 from transfer.agent import LOOPBACK
 
 log = logging.getLogger("serving.worker")
@@ -48,7 +48,8 @@ class WorkerBase:
     role: str
 
     def __init__(self, model, config: EngineConfig, *, model_name: str, dtype, secret: str,
-                 lease_ttl: float = 30.0, faults: Faults | None = None, host: str = "127.0.0.1",
+                 lease_ttl: float = 30.0, fault_injection: bool = False,
+                 host: str = "127.0.0.1",
                  transfer_port: int = 0, transfer_interface: str = LOOPBACK, tokenizer=None,
                  max_queued_requests: int = 1024):
         self.model_name = model_name
@@ -76,8 +77,10 @@ class WorkerBase:
         # worker must not come back under its old one (an object id can repeat)
         self.agent = Agent(regions, name=f"{self.role}-{uuid.uuid4().hex}",
                            net_devices=transfer_interface)
+        if fault_injection:  # tests only: POST /debug/faults sets its counters
+            self.agent = FaultyAgent(self.agent)
         self.transfer = TransferManager(self.agent, self.compat, secret=secret, host=host,
-                                        port=transfer_port, lease_ttl=lease_ttl, faults=faults)
+                                        port=transfer_port, lease_ttl=lease_ttl)
         # transfer_ack_seconds: of transfer_seconds, the time from the READ's landing to the
         # source's ack, during which the request's outputs are held
         self.counters = {"transfers": 0, "transfer_bytes": 0, "transfer_seconds": 0.0,
