@@ -396,7 +396,8 @@ class Router:
                 "free_slots", "kv_bytes_in_use", "state_bytes_in_use", "num_preemptions",
                 "serving_compiles", "prefix_cache_queries", "prefix_cache_hits", "transfers",
                 "transfer_bytes", "transfer_seconds", "transfer_ack_seconds",
-                "transfer_descriptors", "transfer_failures", "transfer_cached_tokens")
+                "transfer_descriptors", "transfer_failures", "transfer_cached_tokens",
+                "leases_expired")
         total = {k: sum(s.get(k, 0) for s in self._stats.values()) for k in keys}
         total["device"] = {
             role: {k: sum(self._stats.get(u, {}).get(k, 0) for u in pool.urls)

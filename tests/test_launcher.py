@@ -74,7 +74,14 @@ def test_completion_and_chat_through_the_router(server):
     assert 0 < ack <= samples["vllm:nixl_xfer_time_seconds_sum"], samples
     # one run of consecutive KV blocks + the conv slot + the recurrent slot
     assert samples["vllm:nixl_num_descriptors_sum"] == 3 * 3
+    assert samples["vllm:nixl_bytes_transferred_count"] == 3
+    assert samples["vllm:nixl_num_kv_expired_reqs_total"] == 0
     assert samples["vllm:num_requests_running"] == 0
+    # per-request histograms at the router (the queue time is the prefill worker's), and
+    # the tokens per step of both workers' engines
+    assert samples["vllm:request_queue_time_seconds_count"] >= 3
+    assert samples["vllm:request_decode_time_seconds_count"] >= 3
+    assert samples["vllm:iteration_tokens_total_count"] >= 2 * 3
 
 
 def test_stop_strings_through_the_router(server):

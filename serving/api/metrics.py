@@ -209,6 +209,9 @@ class _BackendCollector:
                         s.get("transfer_descs"))
         yield counter("vllm:nixl_num_failed_transfers", "Transfers that failed or timed out",
                       s.get("transfer_failures", 0))
+        yield counter("vllm:nixl_num_kv_expired_reqs", "Prefill results whose lease expired "
+                      "unpulled (their blocks went back to the prefill worker)",
+                      s.get("leases_expired", 0))
         yield counter("qwen35:kv_transfer_ack_seconds", "Of vllm:nixl_xfer_time_seconds, the "
                       "time from a READ's landing to the source's ack, which holds the "
                       "request's first outputs", s.get("transfer_ack_seconds", 0.0))
