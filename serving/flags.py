@@ -8,9 +8,8 @@ import argparse
 import json
 import os
 
+from serving.api.tool_parsers import PARSERS as TOOL_CALL_PARSERS  # imports no JAX either
 from serving.body_limit import DEFAULT_MAX_BYTES
-
-TOOL_CALL_PARSERS = ["hermes", "qwen3_coder"]  # serving/api/tool_parsers.py
 DEFAULT_COMPILATION_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "qwen35_jax", "xla")
 
 
@@ -93,7 +92,7 @@ def server_parser(prog: str = "python -m serving.api",
                    help="tensor-parallel size: heads and FFN columns split over tp devices")
     p.add_argument("--reasoning-parser", default=None, choices=["qwen3"],
                    help="split a chat reply's <think> block into reasoning_content")
-    p.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
+    p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_CALL_PARSERS),
                    help="read <tool_call> blocks of chat replies as tool_calls: hermes (JSON "
                         "bodies, Qwen3) or qwen3_coder (<function=...> bodies, Qwen3.5)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",

@@ -31,9 +31,8 @@ from serving.api.backend import Backend
 from serving.api.generate import (close_all, every, merged, start_timers, submit,
                                   until_disconnect)
 from serving.api.metrics import CONTENT_TYPE, Metrics
-from serving.api.prepare import (ServerOptions, Limits, Prompt, chat_jobs, chat_message,
-                                 check_model, check_prompt, completion_jobs, render_chat,
-                                 template_kwargs)
+from serving.api.prepare import (Limits, Prompt, ServerOptions, chat_jobs, chat_text,
+                                 check_model, check_prompt, completion_jobs)
 from serving.api.protocol import (ChatCompletionChunk, ChatCompletionRequest,
                                   ChatCompletionResponse, CompletionRequest, CompletionResponse,
                                   DetokenizeRequest, DetokenizeResponse, ErrorResponse,
@@ -142,10 +141,7 @@ def build_app(backend: Backend, tokenizer: Tokenizer, model_name: str, *,
     def _tokens(body) -> list[int]:
         if isinstance(body, TokenizeCompletionRequest):
             return tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        messages = [chat_message(m, i) for i, m in enumerate(body.messages)]
-        tools = [t.model_dump(exclude_none=True) for t in body.tools or []] or None
-        text = render_chat(tokenizer, messages, tools, template_kwargs(body.chat_template_kwargs),
-                           add_generation_prompt=body.add_generation_prompt)
+        text = chat_text(body, tokenizer, add_generation_prompt=body.add_generation_prompt)
         return tokenizer.encode(text, add_special_tokens=False)
 
     @app.post("/detokenize", response_model=DetokenizeResponse, dependencies=keyed,

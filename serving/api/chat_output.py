@@ -34,6 +34,11 @@ class ChatParsing:
     tool_parser: str | None = None  # None: tool calls are left in the content
     tools: dict[str, dict] = field(default_factory=dict)  # function definitions by name
 
+    @property
+    def plain(self) -> bool:
+        """No parser is on: the whole reply is content, sent as it comes."""
+        return not self.reasoning and self.tool_parser is None
+
     @staticmethod
     def of(prompt_text: str, reasoning: bool, tool_parser: str | None,
            tools: dict[str, dict]) -> "ChatParsing":

@@ -98,24 +98,27 @@ def completion_prompts(body: CompletionRequest, tok: Tokenizer) -> list[Prompt]:
 def chat_prompt(body: ChatCompletionRequest, tok: Tokenizer,
                 options: ServerOptions) -> tuple[Prompt, ChatParsing]:
     """The prompt of a chat request, and how its reply is to be read."""
-    messages = [chat_message(m, i) for i, m in enumerate(body.messages)]
     tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
     by_name = {t["function"]["name"]: t["function"] for t in tools}
     if len(by_name) < len(tools):
         raise APIError("tools: function names must be unique", "tools")
     tool_parser = _tool_parser(body, options)
-    kwargs = template_kwargs(body.chat_template_kwargs)
-    text = render_chat(tok, messages, tools or None, kwargs)
-    if tools and text == render_chat(tok, messages, None, kwargs):
+    text = chat_text(body, tok)
+    if tools and text == chat_text(body, tok, with_tools=False):
         raise APIError("tools: this model's chat template does not render tools", "tools")
     parsing = ChatParsing.of(text, options.reasoning_parser is not None, tool_parser, by_name)
     return Prompt(tok.encode(text, add_special_tokens=False)), parsing
 
 
-def render_chat(tok: Tokenizer, messages: list[dict], tools, kwargs: dict,
-                add_generation_prompt: bool = True) -> str:
+def chat_text(body, tok: Tokenizer, with_tools: bool = True,
+              add_generation_prompt: bool = True) -> str:
+    """A chat body's messages (and tools, `chat_template_kwargs`) through the template:
+    for /v1/chat/completions and /tokenize alike."""
+    messages = [chat_message(m, i) for i, m in enumerate(body.messages)]
+    tools = [t.model_dump(exclude_none=True) for t in body.tools or []] if with_tools else []
+    kwargs = template_kwargs(body.chat_template_kwargs)
     try:
-        return tok.chat_text(messages, tools, add_generation_prompt=add_generation_prompt,
+        return tok.chat_text(messages, tools or None, add_generation_prompt=add_generation_prompt,
                              **kwargs)
     except Exception as e:  # noqa: BLE001 -- templates raise anything (jinja, ValueError)
         raise APIError(f"messages: cannot apply the chat template: {e}", "messages") from e

@@ -166,8 +166,11 @@ class StreamRenderer:
         self.prefix[i] = ""
         lps = out.logprobs[len(out.logprobs) - len(new):] if out.logprobs is not None else None
         if self.chat:
-            self.texts[i] += text
-            delta = self.chats[i].update(self.texts[i], out.finished)
+            if job.parsing.plain:  # no parser: the text goes out as content, kept nowhere
+                delta = DeltaMessage(content=text) if text else None
+            else:
+                self.texts[i] += text
+                delta = self.chats[i].update(self.texts[i], out.finished)
             if delta is not None and delta.tool_calls:
                 self.called_tools[i] = True
             if not (delta or out.finished or lps):
