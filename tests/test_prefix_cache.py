@@ -116,6 +116,21 @@ def test_the_second_prompt_off_a_shared_prefix_leaves_a_snapshot_where_they_part
         eng.close()
 
 
+def test_a_burst_off_a_shared_prefix_hits_all_of_it_after_the_first_step():
+    """Three prompts of 7 shared blocks and a tail each, sent at once, snapshots every 8
+    blocks: the first fills the first step alone, and its prefill takes a snapshot where
+    the two waiting prompts part from it, so both hit all 7 blocks in the next step
+    (without it neither hits: the block-7 state would first be taken in that step)."""
+    eng = make_engine(True, prefix_state_interval=8, num_prefix_snapshots=6)
+    try:
+        shared = tokens(28, seed=21)
+        outs = run(eng, [shared + tokens(6, seed=22 + i) for i in range(3)])
+        assert [o.num_cached_tokens for o in outs] == [0, 28, 28]
+        assert_all_free(eng)
+    finally:
+        eng.close()
+
+
 def test_concurrent_sharing_with_preemption_and_aborts(engine):
     """Three system prompts, 60 requests in waves over a pool small enough to preempt, a
     sixth of them aborted at random points: the others are exact, the aborted ones a

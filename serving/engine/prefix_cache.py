@@ -14,9 +14,11 @@ blocks 0..j-1 are cached and the state after block j-1 is snapshotted: the reque
 takes those blocks, starts its GDN state from the snapshot row and computes tokens
 from L on, in blocks of its own; so no shared block is ever written, and the last
 partial block is never shared. Snapshots are taken where a prefill step passes
-them: every `interval` blocks and at the last block boundaries of the request's
-known tokens (the two that a repeat of the same prompt and a longer follow-up can
-hit), as many as the step's bucket has room for (`per_step`), the ends first.
+them, as many as the step's bucket has room for (`per_step`), in this order: where
+the request leaves the cached prompt it matched and where requests waiting now leave
+it (each serves every later prompt of that shared prefix), the last block boundaries
+of its known tokens (the two that a repeat of the same prompt and a longer follow-up
+can hit), then every `interval` blocks.
 
 Safety, by stream order: a block is registered when the step that writes its last
 token is scheduled, and a snapshot when the step that emits it is; every reader is
@@ -167,20 +169,38 @@ class PrefixCache:
             self._staged.append((keys[j], req.block_ids[j]))
         req.num_registered_blocks = max(req.num_registered_blocks, len(keys))
 
-    def snapshot_points(self, req: Request, start: int, num_tokens: int) -> list[int]:
+    def snapshot_points(self, req: Request, start: int, num_tokens: int,
+                        waiting=()) -> list[int]:
         """Block boundaries L in (start, start + num_tokens] a prefill chunk passes and
-        whose state is worth a snapshot: the request's last ones and where it diverges
-        from a cached prompt first, then every `interval` blocks, the latest first."""
+        whose state is worth a snapshot, best first: where the request diverges from a
+        cached prompt and where the `waiting` requests part from it, its last ones,
+        then every `interval` blocks, the latest first."""
         bs = self.block_size
         known = req.num_known_tokens
         hi = min(start + num_tokens, known) // bs
         lo = start // bs + 1
-        marks = ((known - 1) // bs, known // bs, (req.divergence or 0) // bs)
-        ends = {j for j in marks if lo <= j <= hi}
-        every = [j for j in range(hi, lo - 1, -1) if j % self.interval == 0 and j not in ends]
         keys = self.keys(req, hi * bs)
-        return [j * bs for j in sorted(ends, reverse=True) + every
-                if j >= 1 and keys[j - 1] not in self.rows]
+        marks = ((req.divergence or 0) // bs, *self._partings(keys, lo, waiting),
+                 known // bs, (known - 1) // bs)
+        ends = list(dict.fromkeys(j for j in marks if lo <= j <= hi))
+        every = [j for j in range(hi, lo - 1, -1) if j % self.interval == 0 and j not in ends]
+        return [j * bs for j in ends + every if j >= 1 and keys[j - 1] not in self.rows]
+
+    def _partings(self, keys: list[bytes], lo: int, waiting) -> list[int]:
+        """Block counts >= `lo` at which waiting requests' prompts part from the chain
+        `keys`: a burst of prompts sharing a prefix then hits all of it once the first
+        one's step has run, instead of the last `interval` mark before it."""
+        out = set()
+        for other in waiting if keys else ():
+            if self.keys(other, self.block_size)[:1] != keys[:1]:
+                continue
+            theirs = self.keys(other, min(len(keys), (other.num_tokens - 1) // self.block_size)
+                               * self.block_size)
+            j = next((i for i, (a, b) in enumerate(zip(keys, theirs)) if a != b),
+                     min(len(keys), len(theirs)))
+            if j >= lo:
+                out.add(j)
+        return sorted(out, reverse=True)
 
     def snapshot_row(self, req: Request, position: int) -> int:
         """A row for the snapshot of `req`'s state at block boundary `position`. Called

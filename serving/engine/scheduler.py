@@ -279,15 +279,15 @@ class Scheduler:
 
     def _register(self, out: SchedulerOutput) -> None:
         """Register the blocks the step fills and pick the snapshots its prefill chunks
-        take (as many as its bucket holds: each request's last boundaries first, then
-        the rest, request by request)."""
+        take (as many as its bucket holds: each request's best point first, then each
+        one's second, and so on; `PrefixCache.snapshot_points` orders them)."""
         p = self.prefix
         for s in out.seqs:
             p.stage_blocks(s.request, s.start + s.num_tokens)
         if not out.is_decode:
             points = [(rank, i, pos) for i, s in enumerate(out.seqs)
                       for rank, pos in enumerate(p.snapshot_points(s.request, s.start,
-                                                                   s.num_tokens))]
+                                                                   s.num_tokens, self.waiting))]
             for _, i, pos in sorted(points)[:p.per_step(out.num_tokens, len(out.seqs))]:
                 s = out.seqs[i]
                 s.snapshots.append((pos, p.snapshot_row(s.request, pos)))
