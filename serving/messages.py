@@ -5,7 +5,9 @@ strings in JSON, come back as ints) and a worker refuses a malformed or forged b
 a message naming the field (400) before any of it reaches its engine.
 
     router ── PrefillRequest ──▶ prefill worker ── PrefillResult ──▶ router
-    router ── DecodeRequest ──▶ decode worker ── DecodeFrame per line (NDJSON) ──▶ router
+    router ── GET /outputs ──▶ decode worker ── DecodeOutputs per line (NDJSON) ──▶ router
+    router ── DecodeRequest ──▶ decode worker  (its frames come on the named channel)
+    router ── DecodeAbort ──▶ decode worker    (the caller went away)
     router ── Sources ──▶ decode worker          (the prefill workers it may pull from)
     router ── PeerLost ──▶ prefill worker        (a decode worker that died)
 
@@ -73,18 +75,30 @@ class PrefillResult(Message):
     queue_seconds: Annotated[float, Field(ge=0)] = 0.0  # waiting before its prefill began
 
 
+ChannelId = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[0-9a-f]+$")]
+
+
 class DecodeRequest(Message):
     request_id: RequestId
     prompt_token_ids: list[TokenId] = Field(min_length=1)
     first_token: TokenId
     params: Sampling
     transfer: Ticket
+    channel: ChannelId  # the output channel (GET /outputs) that carries its frames
+
+
+class DecodeAbort(Message):
+    """The router's caller went away: abort the request (a no-op once it has ended)."""
+
+    request_id: RequestId
+    channel: ChannelId
 
 
 class DecodeFrame(Message):
-    """One NDJSON line of a decode stream: the tokens new since the last frame (with
-    their logprobs when asked), or ``error`` ending the stream."""
+    """A request's outputs new since its last frame: tokens (with their logprobs when
+    asked), or ``error`` ending the request."""
 
+    request_id: RequestId
     new_token_ids: list[TokenId] = Field(default_factory=list)
     logprobs: Logprobs | None = None
     finished: bool = False
@@ -96,10 +110,21 @@ class DecodeFrame(Message):
     @classmethod
     def of(cls, out: RequestOutput) -> "DecodeFrame":
         new = list(out.new_token_ids)
-        return cls(new_token_ids=new, finished=out.finished, finish_reason=out.finish_reason,
+        return cls(request_id=out.request_id, new_token_ids=new, finished=out.finished,
+                   finish_reason=out.finish_reason,
                    stop_reason=out.stop_reason, num_preemptions=out.num_preemptions,
                    logprobs=out.logprobs[len(out.logprobs) - len(new):]
                    if out.logprobs is not None else None)
+
+
+class DecodeOutputs(Message):
+    """One NDJSON line of a decode worker's output channel: the frames of the channel's
+    requests with outputs since the last line, in order (one line per engine step, not
+    one per request); the first line names the channel; a line with neither keeps an idle
+    channel open."""
+
+    channel: ChannelId | None = None
+    frames: list[DecodeFrame] = Field(default_factory=list)
 
 
 class Sources(Message):

@@ -3,12 +3,13 @@
 It is a ``serving.api.backend.Backend``, so the OpenAI server fronts a
 disaggregated pair exactly as it fronts the aggregated engine.  For each
 request it posts the prompt to a prefill worker (whose answer is the first token
-and the ticket of the pinned cache), then streams the rest from a decode worker,
-which claims and pulls the cache itself; each is the least loaded, with a worker
-it sent the prompt's prefix before counting as up to one request less loaded
-(``PrefixIndex``: there the prefix is likely cached, and a decode worker that has
-it pulls only the rest).  The
-router never touches cache memory; it only carries tickets.  Every call carries
+and the ticket of the pinned cache), then posts it to a decode worker, which claims
+and pulls the cache itself and sends its tokens on the router's output channel there
+(``serving.output_channel``: one stream per decode worker, a line per engine step).
+Each worker is the least loaded, with a worker it sent the prompt's prefix before
+counting as up to one request less loaded (``PrefixIndex``: there the prefix is likely
+cached, and a decode worker that has it pulls only the rest).  The router never
+touches cache memory; it only carries tickets.  Every call carries
 the workers' shared secret, and every message is a ``serving.messages`` model.
 
 The decode workers pull only from prefill workers the router registered with them
@@ -25,9 +26,10 @@ worker goes on to another); with no live worker of a role, a request is refused 
 once (``Unavailable``, 503) rather than prefilled for nothing.  A decode worker that
 refuses connections is gone: the prefill workers are told to free the leases it
 claimed (``PeerLost``) instead of holding them until they expire.  A decode worker
-that reports a failed transfer ends the stream with that message.  Closing a stream
-closes its HTTP call, which aborts the request on the worker.  Whatever the prefill
-side pinned is freed by its lease when no decode worker pulls it.
+that reports a failed transfer ends the request with that message; a channel that
+breaks ends every request on it.  Closing a stream before its request ends tells the
+worker to abort it (``/abort``).  Whatever the prefill side pinned is freed by its
+lease when no decode worker pulls it.
 """
 
 from __future__ import annotations
@@ -44,8 +46,9 @@ from serving import bucket_counts
 from serving.engine import RequestOutput, SamplingParams
 from serving.engine.prefix_cache import block_key
 from serving.errors import EngineDead, EngineOverloaded, Unavailable, WorkerFailed
-from serving.messages import (DecodeFrame, DecodeRequest, PeerLost, PrefillRequest,
+from serving.messages import (DecodeAbort, DecodeRequest, PeerLost, PrefillRequest,
                               PrefillResult, Sampling, Sources)
+from serving.output_channel import OutputChannel
 from serving.secret import header
 
 log = logging.getLogger(__name__)
@@ -117,12 +120,13 @@ class _Pool:
 
 
 class RouterStream:
-    """Outputs of one routed request: the prefill's first token, then the decode stream."""
+    """Outputs of one routed request: the prefill's first token, then its frames from the
+    decode worker's output channel."""
 
     def __init__(self, router: "Router", request_id: str, first: RequestOutput, decode):
         self.request_id = request_id
-        self._router, self._first, self._decode = router, first, decode  # decode: (url, response)
-        self._closed = False
+        self._router, self._first, self._decode = router, first, decode  # (url, channel, queue)
+        self._closed = self._done = False
 
     def __aiter__(self):
         return self._iterate()
@@ -131,21 +135,21 @@ class RouterStream:
         yield self._first
         if self._first.finished:
             return
-        url, response = self._decode
+        url, _, queue = self._decode
         tokens = list(self._first.token_ids)
         logprobs = list(self._first.logprobs or [])
         try:
-            async for line in response.aiter_lines():
-                if not line:
-                    continue
-                try:
-                    frame = DecodeFrame.model_validate_json(line)
-                except ValidationError as e:
-                    raise WorkerFailed(f"decode worker {url} sent a malformed frame: {e}") from None
+            while True:
+                frame = await queue.get()
+                if isinstance(frame, WorkerFailed):  # the channel failed
+                    self._done = True
+                    raise frame
                 if frame.error is not None:
+                    self._done = True
                     raise WorkerFailed(f"decode worker {url}: {frame.error}")
                 tokens += frame.new_token_ids
                 logprobs += frame.logprobs or []
+                self._done = frame.finished
                 yield RequestOutput(
                     request_id=self.request_id, prompt_token_ids=self._first.prompt_token_ids,
                     token_ids=list(tokens), new_token_ids=frame.new_token_ids,
@@ -156,22 +160,21 @@ class RouterStream:
                     num_cached_tokens=self._first.num_cached_tokens)
                 if frame.finished:
                     return
-            raise WorkerFailed(f"decode worker {url} closed the stream before the request finished")
-        except (httpx.TransportError, httpx.StreamError) as e:
-            raise WorkerFailed(f"decode worker {url} failed mid-request: {e!r}") from None
         finally:
             await self.aclose()
 
     async def aclose(self) -> None:
-        """Close the decode stream (the worker then aborts the request) and drop its
-        load; also when the stream was never iterated (a sibling choice failed)."""
+        """Leave the channel, abort the request on the worker unless it has ended, and drop
+        its load; also when the stream was never iterated (a sibling choice failed)."""
         if self._closed:
             return
         self._closed = True
         if self._decode is not None:
-            url, response = self._decode
-            await response.aclose()
+            url, channel, _ = self._decode
+            channel.unregister(self.request_id)
             self._router.decode.load[url] -= 1
+            if not self._done and channel.id is not None:
+                self._router._abort(url, self.request_id, channel.id)
 
 
 class Router:
@@ -194,7 +197,8 @@ class Router:
         self._registered: dict[str, frozenset] = {}  # decode url -> the sources it was given
         self._agents: dict[str, str] = {}  # decode url -> its transfer agent, as last seen
         self._poller: asyncio.Task | None = None
-        self._notices: set[asyncio.Task] = set()  # PeerLost posts in flight (kept referenced)
+        self._channels: dict[str, OutputChannel] = {}  # decode url -> its output channel
+        self._notices: set[asyncio.Task] = set()  # PeerLost / abort posts in flight (kept referenced)
 
     @classmethod
     def from_workers(cls, prefill_urls: list[str], decode_urls: list[str], *, secret: str,
@@ -249,14 +253,16 @@ class Router:
         if first.finished:
             return RouterStream(self, request_id, first, None)
         self._sources[url] = tuple(result.transfer.address)
-        decode = await self._start_decode(DecodeRequest(
+        decode = await self._start_decode(dict(
             request_id=request_id, prompt_token_ids=list(prompt_token_ids),
             first_token=result.token_ids[-1], params=Sampling.of(params),
             transfer=result.transfer), keys)
         return RouterStream(self, request_id, first, decode)
 
-    async def _start_decode(self, body: DecodeRequest, keys: list[bytes]):
-        content = body.model_dump_json()
+    async def _start_decode(self, fields: dict, keys: list[bytes]):
+        """Post the ``DecodeRequest`` of ``fields`` to a decode worker, naming its output
+        channel; (url, channel, the request's frame queue)."""
+        request_id = fields["request_id"]
         deadline = asyncio.get_running_loop().time() + self.decode_retry_seconds
         tried: set[str] = set(self._down())
         while True:
@@ -270,13 +276,19 @@ class Router:
                 await asyncio.sleep(0.05)
                 continue
             self.decode.load[url] += 1
+            channel = self._channels.setdefault(url, OutputChannel(self._client, url))
+            queue = channel.register(request_id)
             try:
                 response = await self._register(url)
                 if response is None:
-                    req = self._client.build_request("POST", f"{url}/decode", content=content,
-                                                     headers={"Content-Type": "application/json"})
-                    response = await self._client.send(req, stream=True)
+                    response = await channel.open()
+                if isinstance(response, str):
+                    body = DecodeRequest(**fields, channel=response)
+                    response = await self._client.post(
+                        f"{url}/decode", content=body.model_dump_json(),
+                        headers={"Content-Type": "application/json"})
             except httpx.TransportError as e:
+                channel.unregister(request_id)
                 self.decode.load[url] -= 1
                 tried.add(url)
                 # a refused connection never reached the worker: another may take it
@@ -285,14 +297,14 @@ class Router:
                     continue
                 self._health[url] = repr(e)
                 raise WorkerFailed(f"decode worker {url} failed: {e!r}") from None
-            except BaseException:  # cancelled: the caller went away
+            except BaseException:  # cancelled (the caller went away), or no channel
+                channel.unregister(request_id)
                 self.decode.load[url] -= 1
                 raise
             if response.status_code == 200:
                 self.decode.prefixes.record(keys, url)
-                return url, response
-            await response.aread()
-            await response.aclose()
+                return url, channel, queue
+            channel.unregister(request_id)
             self.decode.load[url] -= 1
             tried.add(url)
             if self._engine_died(response, url):
@@ -388,7 +400,23 @@ class Router:
             task.add_done_callback(self._notices.discard)
 
     async def abort(self, request_id: str) -> None:
-        """Requests are aborted by closing their stream (the worker sees the disconnect)."""
+        """Requests are aborted by closing their stream (``RouterStream.aclose``)."""
+
+    def _abort(self, url: str, request_id: str, channel: str) -> None:
+        """Tell decode worker ``url`` that ``request_id``'s caller went away (in the
+        background: the caller does not wait; a worker that cannot be told has lost the
+        channel, which aborted the request)."""
+        async def tell():
+            body = DecodeAbort(request_id=request_id, channel=channel).model_dump_json()
+            try:
+                await self._client.post(f"{url}/abort", content=body, timeout=5.0,
+                                        headers={"Content-Type": "application/json"})
+            except httpx.TransportError:
+                pass
+
+        task = asyncio.get_running_loop().create_task(tell())
+        self._notices.add(task)
+        task.add_done_callback(self._notices.discard)
 
     def stats(self) -> dict:
         """Sums of the workers' counters as of the last health poll."""
@@ -451,6 +479,8 @@ class Router:
     def shutdown(self) -> None:
         if self._poller is not None:
             self._poller.cancel()
+        for channel in self._channels.values():
+            channel.close()
 
 
 def _detail(response: httpx.Response) -> str:

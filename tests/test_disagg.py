@@ -342,16 +342,21 @@ def test_ack_does_not_wait_for_the_prefill_step_in_flight(stack):
                                      "params": {**params, "max_tokens": max_tokens}})
 
     async def decode(request_id, prompt, first):
-        """(monotonic time of the first NDJSON line, all lines)"""
+        """(monotonic time of the request's first frame, all its frames)"""
         body = {"request_id": request_id, "prompt_token_ids": prompt, "params": params,
                 "first_token": first["token_ids"][-1], "transfer": first["transfer"]}
         lines, t_first = [], None
         async with httpx.AsyncClient(timeout=120, headers=AUTH) as client:
-            async with client.stream("POST", f"{d}/decode", json=body) as r:
-                async for line in r.aiter_lines():
-                    if line:
+            async with client.stream("GET", f"{d}/outputs") as out:
+                it = out.aiter_lines()
+                body["channel"] = json.loads(await anext(it))["channel"]
+                (await client.post(f"{d}/decode", json=body)).raise_for_status()
+                async for line in it:
+                    for frame in json.loads(line)["frames"] if line else []:
                         t_first = t_first or time.monotonic()
-                        lines.append(json.loads(line))
+                        lines.append(frame)
+                    if lines and lines[-1]["finished"]:
+                        break
         return t_first, lines
 
     async def go(held):
@@ -403,11 +408,21 @@ def test_injected_transfer_error_and_timeout_fail_only_their_request(stack):
 
 
 def _decode_lines(url, body):
-    """POST /decode and return (status, parsed NDJSON lines or the error body)."""
-    r = httpx.post(f"{url}/decode", json=body, timeout=60, headers=AUTH)
-    if r.status_code != 200:
-        return r.status_code, r.json()
-    return 200, [json.loads(line) for line in r.text.splitlines() if line]
+    """Open an output channel, POST /decode naming it, and return (status, the request's
+    frames or the error body)."""
+    with httpx.Client(timeout=60, headers=AUTH) as client:
+        with client.stream("GET", f"{url}/outputs") as out:
+            lines = out.iter_lines()
+            r = client.post(f"{url}/decode",
+                            json={**body, "channel": json.loads(next(lines))["channel"]})
+            if r.status_code != 200:
+                return r.status_code, r.json()
+            frames = []
+            for line in lines:
+                frames += json.loads(line)["frames"] if line else []
+                if frames and frames[-1]["finished"]:
+                    return 200, frames
+    raise AssertionError(f"the output channel closed after {frames}")
 
 
 def test_forged_and_replayed_transfers_are_refused(stack):

@@ -6,33 +6,70 @@ import pytest
 
 from serving.engine import RequestOutput, SamplingParams
 from serving.errors import EngineOverloaded, Unavailable, WorkerFailed
+from serving.output_channel import OutputChannel
 from serving.router import _Pool, Router, RouterStream
 
 SECRET = "the workers' shared secret, test"
 TICKET = {"agent": "prefill-a", "address": ["127.0.0.1", 9000], "lease": "abc.1", "ttl": 30.0}
 
 
-class _Response:
-    """Stands in for the decode worker's streaming HTTP response."""
+class _Channels:
+    """The mock decode workers' output channels: ``GET /outputs`` streams the frames that
+    ``/decode`` posts give it (``frame``, with the request's id)."""
 
-    def __init__(self):
-        self.closed = False
+    def __init__(self, frame: dict):
+        self.frame, self.queues = frame, {}
 
-    async def aclose(self):
-        self.closed = True
+    def outputs(self):
+        import httpx
+
+        channel = f"{len(self.queues) + 1:x}"
+        queue = self.queues[channel] = asyncio.Queue()
+
+        async def lines():
+            yield (json.dumps({"channel": channel}) + "\n").encode()
+            while True:
+                frame = await queue.get()
+                yield (json.dumps({"frames": [frame]}) + "\n").encode()
+
+        return httpx.Response(200, content=lines())
+
+    def decode(self, request):
+        import httpx
+
+        body = json.loads(request.content)
+        self.queues[body["channel"]].put_nowait({**self.frame, "request_id": body["request_id"]})
+        return httpx.Response(200, json={"ok": True})
 
 
-def test_stream_closed_before_iteration_closes_its_decode_request():
-    """A request whose sibling choice failed is closed unread: its decode stream must
-    still be closed (so the worker aborts it) and its load dropped."""
+def test_stream_closed_before_iteration_aborts_its_decode_request():
+    """A request whose sibling choice failed is closed unread: the worker is told to abort
+    it, it leaves the channel, and its load is dropped, once."""
+    import httpx
+
+    posted = []
+
+    def handler(request):
+        posted.append((request.url.path, json.loads(request.content)))
+        return httpx.Response(200, json={"aborted": True})
+
     router = Router(["http://p"], ["http://d"], secret=SECRET, max_model_len=64, max_logprobs=0)
+    router._client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
     router.decode.load["http://d"] += 1  # as _start_decode counts a started decode
+    channel = OutputChannel(router._client, "http://d")
+    channel._id = "c1"
+    queue = channel.register("r")
     first = RequestOutput("r", [1, 2], [3], [3], finished=False)
-    response = _Response()
-    stream = RouterStream(router, "r", first, ("http://d", response))
-    asyncio.run(stream.aclose())
-    asyncio.run(stream.aclose())  # twice: no second decrement
-    assert response.closed and router.decode.load["http://d"] == 0
+    stream = RouterStream(router, "r", first, ("http://d", channel, queue))
+
+    async def close_twice():
+        await stream.aclose()
+        await stream.aclose()  # no second decrement or abort
+        await asyncio.gather(*router._notices)
+
+    asyncio.run(close_twice())
+    assert posted == [("/abort", {"request_id": "r", "channel": "c1"})]
+    assert router.decode.load["http://d"] == 0 and "r" not in channel._queues
 
 
 def _router_with(decode_status, decode_detail):
@@ -47,7 +84,11 @@ def _router_with(decode_status, decode_detail):
                 "stop_reason": None, "transfer": TICKET})
         if request.url.path == "/sources":
             return httpx.Response(200, json={"ok": True})
+        if request.url.path == "/outputs":
+            return channels.outputs()
         return httpx.Response(decode_status, json={"detail": decode_detail})
+
+    channels = _Channels({})
 
     router = Router(["http://p"], ["http://d"], secret=SECRET, max_model_len=64, max_logprobs=0,
                     decode_retry_seconds=0.0)
@@ -93,9 +134,12 @@ def _two_of_each(dead: str | None):
             return httpx.Response(200, json={
                 "token_ids": [7], "logprobs": [{"7": -0.25}], "finish_reason": None,
                 "stop_reason": None, "transfer": TICKET})
-        return httpx.Response(200, text=json.dumps({
-            "new_token_ids": [8], "finished": True, "finish_reason": "length",
-            "stop_reason": None, "logprobs": [{"8": -0.5, "3": -1.5}]}) + "\n")
+        if request.url.path == "/outputs":
+            return channels.outputs()
+        return channels.decode(request)
+
+    channels = _Channels({"new_token_ids": [8], "finished": True, "finish_reason": "length",
+                          "stop_reason": None, "logprobs": [{"8": -0.5, "3": -1.5}]})
 
     router = Router(["http://p0", "http://p1"], ["http://d0", "http://d1"],
                     secret=SECRET, max_model_len=64, max_logprobs=0)
@@ -290,3 +334,68 @@ def test_a_decode_worker_that_refuses_connections_has_its_leases_freed():
     lost = {k for k in calls if len(k) == 3 and k[1] == "/peer_lost"}
     assert {k[0] for k in lost} == {"http://p0", "http://p1"}
     assert all(b'"decode-a"' in k[2] for k in lost) and "http://d0" in router._down()
+
+
+def test_one_output_channel_carries_every_request_and_its_break_fails_them():
+    """Two requests on one decode worker share one output channel, each getting its own
+    frames from a line that carries both; when the channel breaks, both fail as
+    WorkerFailed (not hang), their loads drop, and the next request opens a new
+    channel."""
+    import httpx
+
+    opened, posted = [], []
+
+    def handler(request):
+        if request.url.path == "/prefill":
+            body = json.loads(request.content)
+            return httpx.Response(200, json={"token_ids": [body["prompt_token_ids"][0]],
+                                             "transfer": TICKET})
+        if request.url.path == "/sources":
+            return httpx.Response(200, json={"ok": True})
+        if request.url.path == "/outputs":
+            channel = f"{len(opened) + 1:x}"
+            opened.append(asyncio.Queue())
+            queue = opened[-1]
+
+            async def lines():
+                yield (json.dumps({"channel": channel}) + "\n").encode()
+                while (line := await queue.get()) is not None:
+                    yield line
+                raise httpx.ReadError("connection reset")
+
+            return httpx.Response(200, content=lines())
+        if request.url.path == "/decode":
+            posted.append(json.loads(request.content))
+            return httpx.Response(200, json={"ok": True})
+        return httpx.Response(200, json={"aborted": False})
+
+    router = Router(["http://p"], ["http://d"], secret=SECRET, max_model_len=64, max_logprobs=0)
+    router._client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    router._ensure_polling = lambda: None
+
+    async def collect(stream, into):
+        try:
+            async for out in stream:
+                into.append(out.token_ids)
+        except WorkerFailed as e:
+            into.append(e)
+
+    async def go():
+        a = await router.add("a", [1, 9], SamplingParams(max_tokens=4))
+        b = await router.add("b", [2, 9], SamplingParams(max_tokens=4))
+        assert [p["channel"] for p in posted] == ["1", "1"] and len(opened) == 1
+        got = {"a": [], "b": []}
+        tasks = [asyncio.create_task(collect(s, got[s.request_id])) for s in (a, b)]
+        frames = [{"request_id": r, "new_token_ids": [t]} for r, t in (("b", 20), ("a", 10))]
+        opened[0].put_nowait((json.dumps({"frames": frames}) + "\n").encode())
+        await asyncio.sleep(0.05)
+        assert got == {"a": [[1], [1, 10]], "b": [[2], [2, 20]]}
+        opened[0].put_nowait(None)  # the channel breaks
+        await asyncio.gather(*tasks)
+        assert all(isinstance(got[r][-1], WorkerFailed) for r in "ab"), got
+        assert "failed mid-request" in str(got["a"][-1])
+        assert router.decode.load["http://d"] == 0
+        await router.add("c", [3, 9], SamplingParams(max_tokens=4))
+        assert posted[-1]["channel"] == "2" and len(opened) == 2
+
+    asyncio.run(go())

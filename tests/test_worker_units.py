@@ -180,7 +180,7 @@ def _request(prompt, first, request_id="r", address=SOURCE, lease="abc.1", **par
     return DecodeRequest(request_id=request_id, prompt_token_ids=prompt, first_token=first,
                          params=Sampling(**{"max_tokens": 8, "temperature": 0.0, **params}),
                          transfer=Ticket(agent="prefill-x", address=address, lease=lease,
-                                         ttl=30.0))
+                                         ttl=30.0), channel="c1")
 
 
 def _serving_decode_worker(claim, max_queued=1024):
@@ -514,3 +514,71 @@ def test_a_worker_whose_engine_stopped_says_so_on_every_endpoint_the_router_read
     assert client.get("/stats", headers=AUTH).status_code == 200
     r = client.post("/prefill", json=PREFILL, headers=AUTH)
     assert r.status_code == 503 and "engine_dead" not in r.json()
+
+
+class _Stream:
+    """An engine output stream of `outs`, then (unless `finish`) one that never ends."""
+
+    def __init__(self, outs, finish=True):
+        self.outs, self.finish, self.closed = list(outs), finish, False
+
+    def __aiter__(self):
+        return self._gen()
+
+    async def _gen(self):
+        for out in self.outs:
+            yield out
+        if not self.finish:
+            await asyncio.Event().wait()
+
+    async def aclose(self):
+        self.closed = True
+
+
+def _out(request_id, tokens, finished=False):
+    from serving.engine import RequestOutput
+    return RequestOutput(request_id, [1], tokens, tokens, finished=finished,
+                         finish_reason="length" if finished else None)
+
+
+def test_an_output_channel_batches_its_requests_frames_and_aborts_on_close():
+    """Frames of the requests on one channel come in one line per wake-up, each under its
+    request id, only after the request's transfer is confirmed; an abort cancels one
+    request (its engine stream is closed, which aborts it), and a channel that closes
+    aborts the rest."""
+    from serving.messages import DecodeOutputs
+    from serving.worker.channels import Channels
+
+    async def go():
+        channels = Channels(keepalive=0.05)
+        channel = channels.open()
+        lines = channel.lines()
+        assert DecodeOutputs.model_validate_json(await anext(lines)).channel == channel.id
+        loop = asyncio.get_running_loop()
+        confirmed = {r: loop.create_future() for r in ("a", "b", "c")}
+        streams = {"a": _Stream([_out("a", [5]), _out("a", [6], True)]),
+                   "b": _Stream([_out("b", [7])], finish=False),
+                   "c": _Stream([_out("c", [9])], finish=False)}
+        for r, s in streams.items():
+            channel.start(r, s, confirmed[r])
+        assert await anext(lines) == "\n"  # nothing before a confirmation: a keepalive
+        for f in confirmed.values():
+            f.set_result(None)
+        frames, n_lines = [], 0
+        while len(frames) < 4:
+            line = await anext(lines)
+            frames += DecodeOutputs.model_validate_json(line).frames if line.strip() else []
+            n_lines += 1
+        assert n_lines == 1  # the frames of one wake-up travel together
+        assert [(f.request_id, f.new_token_ids) for f in frames] == \
+            [("a", [5]), ("a", [6]), ("b", [7]), ("c", [9])]
+        assert channel.abort("b") and not channel.abort("a")  # "a" has ended
+        await asyncio.sleep(0.01)
+        assert streams["b"].closed and not streams["c"].closed
+        await lines.aclose()  # the router went away
+        await asyncio.sleep(0.01)
+        assert streams["c"].closed and channel.closed
+        with pytest.raises(ValueError, match="no open output channel"):
+            channels.get(channel.id)
+
+    asyncio.run(go())

@@ -3,7 +3,9 @@
     GET  /health, /info, /stats
     POST /prefill      PrefillRequest -> PrefillResult                (prefill workers)
     POST /peer_lost    PeerLost: free the leases a gone decode worker claimed  (prefill)
-    POST /decode       DecodeRequest -> NDJSON stream of DecodeFrame   (decode workers)
+    GET  /outputs      NDJSON stream of DecodeOutputs: an output channel  (decode workers)
+    POST /decode       DecodeRequest, its frames on the channel it names  (decode)
+    POST /abort        DecodeAbort                                        (decode)
     POST /sources      Sources: the prefill workers this one may pull from     (decode)
     POST /debug/faults with --enable-fault-injection only (tests)
 
@@ -22,7 +24,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from serving.body_limit import BodyLimit
 from serving.errors import EngineDead, EngineOverloaded, TransferFailed
-from serving.messages import DecodeFrame, DecodeRequest, PeerLost, PrefillRequest, Sources
+from serving.messages import DecodeAbort, DecodeRequest, PeerLost, PrefillRequest, Sources
+from serving.worker.channels import Channels
 from serving.secret import bearer_matches
 from transfer import TransferParamsError
 
@@ -125,20 +128,26 @@ def build_app(worker, *, secret: str, max_body_bytes: int,
             worker.register_sources((await _body(request, Sources)).addresses)
             return {"ok": True}
 
+        channels = Channels()
+
+        @app.get("/outputs")
+        async def outputs():
+            return StreamingResponse(channels.open().lines(), media_type="application/x-ndjson")
+
         @app.post("/decode")
         async def decode(request: Request):
-            stream, confirmed = await worker.decode(await _body(request, DecodeRequest))
+            body = await _body(request, DecodeRequest)
+            channel = channels.get(body.channel)
+            stream, confirmed = await worker.decode(body)
+            channel.start(body.request_id, stream, confirmed)
+            return {"ok": True}
 
-            async def lines():
-                try:
-                    await confirmed
-                    async for out in stream:
-                        yield DecodeFrame.of(out).model_dump_json() + "\n"
-                except (TransferFailed, EngineDead) as e:
-                    yield DecodeFrame(error=str(e), finished=True).model_dump_json() + "\n"
-                finally:
-                    await stream.aclose()  # a vanished client aborts its request
-
-            return StreamingResponse(lines(), media_type="application/x-ndjson")
+        @app.post("/abort")
+        async def abort(request: Request):
+            body = await _body(request, DecodeAbort)
+            try:
+                return {"aborted": channels.get(body.channel).abort(body.request_id)}
+            except ValueError:  # the channel closed, which aborted its requests
+                return {"aborted": False}
 
     return app

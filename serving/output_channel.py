@@ -1,0 +1,104 @@
+"""The router's end of a decode worker's output channel (``serving.worker.channels``).
+
+One long-lived ``GET /outputs`` stream per decode worker carries every request's frames
+there, a line per engine step; a reader task validates each line once and hands each
+frame to its request's queue. A request's queue is registered before its ``/decode`` is
+posted, so no frame can come before it. When the stream ends, breaks or sends a malformed
+line, every request on the channel ends with ``WorkerFailed`` and the next request opens
+a new channel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+from pydantic import ValidationError
+
+from serving.errors import WorkerFailed
+from serving.messages import DecodeOutputs
+
+
+class OutputChannel:
+    def __init__(self, client: httpx.AsyncClient, url: str):
+        self._client, self.url = client, url
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._id: str | None = None
+        self._reader: asyncio.Task | None = None
+        self._opening: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
+
+    @property
+    def id(self) -> str | None:
+        """The open channel's id; None while none is open."""
+        return self._id
+
+    async def open(self) -> str | httpx.Response:
+        """The channel's id, opening the stream first if it is not open; the worker's
+        answer (read) if it refused. Raises what the HTTP call raises, or WorkerFailed
+        for a malformed first line."""
+        loop = asyncio.get_running_loop()
+        if self._opening is None or self._opening[0] is not loop:
+            self._opening = (loop, asyncio.Lock())
+        async with self._opening[1]:
+            if self._id is not None:
+                return self._id
+            request = self._client.build_request("GET", f"{self.url}/outputs")
+            response = await self._client.send(request, stream=True)
+            try:
+                if response.status_code != 200:
+                    await response.aread()
+                    await response.aclose()
+                    return response
+                lines = response.aiter_lines()
+                first = await anext(lines)
+                channel = DecodeOutputs.model_validate_json(first).channel
+                if channel is None:
+                    raise WorkerFailed(f"decode worker {self.url} named no output channel")
+            except ValidationError as e:
+                await response.aclose()
+                raise WorkerFailed(f"decode worker {self.url} sent a malformed line: {e}") from None
+            except BaseException:
+                await response.aclose()
+                raise
+            self._id = channel
+            self._reader = asyncio.get_running_loop().create_task(self._read(response, lines))
+            return channel
+
+    def register(self, request_id: str) -> asyncio.Queue:
+        """The queue that receives `request_id`'s frames (then, if the channel fails, the
+        WorkerFailed that ended it)."""
+        queue = self._queues[request_id] = asyncio.Queue()
+        return queue
+
+    def unregister(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+
+    async def _read(self, response: httpx.Response, lines) -> None:
+        error = WorkerFailed(f"decode worker {self.url} closed its output channel")
+        try:
+            async for line in lines:
+                if not line:
+                    continue  # keepalive
+                try:
+                    batch = DecodeOutputs.model_validate_json(line)
+                except ValidationError as e:
+                    error = WorkerFailed(f"decode worker {self.url} sent a malformed frame: {e}")
+                    return
+                for frame in batch.frames:
+                    queue = self._queues.get(frame.request_id)
+                    if queue is not None:  # else aborted here, or never this router's
+                        queue.put_nowait(frame)
+        except (httpx.TransportError, httpx.StreamError) as e:
+            error = WorkerFailed(f"decode worker {self.url} failed mid-request: {e!r}")
+        finally:
+            self._id = None
+            for queue in self._queues.values():
+                queue.put_nowait(error)
+            self._queues.clear()
+            await response.aclose()
+
+    def close(self) -> None:
+        """Stop reading (the router is shutting down); the worker then aborts the
+        channel's requests."""
+        if self._reader is not None:
+            self._reader.cancel()
