@@ -135,16 +135,18 @@ class NotReady(Exception):
 
 def wait_ready(procs, urls, timeout: float, headers: dict | None = None) -> None:
     """Poll each server's /health every half second until all answer 200; SystemExit if
-    one's process exits meanwhile or `timeout` seconds pass."""
+    one's process exits meanwhile or `timeout` seconds pass. One client for all polls: a
+    client per poll builds an SSL context each time, which kept a core busy for the
+    whole start-up of a CPU stack while the workers compiled."""
     pending = dict(zip(urls, procs))
 
-    def poll() -> None:
+    def poll(client: httpx.Client) -> None:
         for url, proc in list(pending.items()):
             if proc.poll() is not None:
                 raise SystemExit(f"{url}: {' '.join(proc.args)} exited with code "
                                  f"{proc.returncode} during start-up")
             try:
-                if httpx.get(f"{url}/health", timeout=1.0, headers=headers).status_code == 200:
+                if client.get(f"{url}/health").status_code == 200:
                     del pending[url]
             except httpx.TransportError:
                 pass
@@ -152,8 +154,11 @@ def wait_ready(procs, urls, timeout: float, headers: dict | None = None) -> None
             raise NotReady(sorted(pending))
 
     try:
-        tenacity.Retrying(stop=tenacity.stop_after_delay(timeout), wait=tenacity.wait_fixed(0.5),
-                          retry=tenacity.retry_if_exception_type(NotReady), reraise=True)(poll)
+        with httpx.Client(timeout=1.0, headers=headers) as client:
+            tenacity.Retrying(stop=tenacity.stop_after_delay(timeout),
+                              wait=tenacity.wait_fixed(0.5),
+                              retry=tenacity.retry_if_exception_type(NotReady),
+                              reraise=True)(poll, client)
     except NotReady as e:
         raise SystemExit(f"not ready after {timeout:.0f} s: {e}") from None
 
