@@ -275,3 +275,58 @@ def test_stream_reports_engine_failure_in_band(tok):
     events = [e for e in r.text.split("\n\n") if e]
     assert r.status_code == 200 and events[-1] == "data: [DONE]"
     assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] == 500
+
+
+# ---- merging a request's outputs -------------------------------------------
+
+
+def test_outputs_that_arrive_while_the_server_is_busy_leave_as_one_event():
+    """Three outputs of choice 0 queued before the consumer reads: one output carrying
+    all three tokens (the latest's other fields); choice 1's stays apart; the timers
+    see every token; an error after outputs lets those leave first."""
+    from serving.api.generate import merged
+
+    class Stream:
+        def __init__(self, outs):
+            self.outs = outs
+
+        def __aiter__(self):
+            return self._gen()
+
+        async def _gen(self):
+            for o in self.outs:
+                if isinstance(o, Exception):
+                    raise o
+                yield o
+
+        async def aclose(self):
+            pass
+
+    def out(rid, tokens, new, finished=False):
+        return RequestOutput(rid, [1], tokens, new, finished=finished,
+                             finish_reason="length" if finished else None)
+
+    class Timer:
+        def __init__(self):
+            self.n = 0
+
+        def output(self, o):
+            self.n += len(o.new_token_ids)
+
+    async def collect(streams, timers):
+        got = []
+        try:
+            async for i, o in merged(streams, timers):
+                got.append((i, o.new_token_ids, o.token_ids, o.finished))
+        except ValueError as e:
+            got.append(str(e))
+        return got
+
+    timers = [Timer(), Timer()]
+    a = Stream([out("a", [5], [5]), out("a", [5, 6], [6]), out("a", [5, 6, 7], [7], True)])
+    b = Stream([out("b", [9], [9], True)])
+    assert asyncio.run(collect([a, b], timers)) == [(0, [5, 6, 7], [5, 6, 7], True),
+                                                    (1, [9], [9], True)]
+    assert [t.n for t in timers] == [3, 1]
+    bad = Stream([out("c", [4], [4]), ValueError("worker failed")])
+    assert asyncio.run(collect([bad], [Timer()])) == [(0, [4], [4], False), "worker failed"]

@@ -46,9 +46,13 @@ async def submit(backend: Backend, request_id: str, jobs: list[Job]) -> list[Req
 
 async def merged(streams: list[RequestStream], timers: list[RequestTimer]
                  ) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(position in `streams`, output) as outputs arrive, until all finish.
-    Closing the iterator early aborts the unfinished requests (callers close
-    the streams themselves too, in case the iterator never started)."""
+    """(position in `streams`, output) as outputs arrive, until all finish. Outputs
+    of a stream that arrive while the consumer is busy are joined into one (as vLLM's
+    output collector joins them): a server that falls behind its engine sends fewer,
+    larger events instead of a backlog of one-token events, and each token still
+    leaves at the first chance. Closing the iterator early aborts the unfinished
+    requests (callers close the streams themselves too, in case the iterator never
+    started)."""
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, stream: RequestStream) -> None:
@@ -62,15 +66,28 @@ async def merged(streams: list[RequestStream], timers: list[RequestTimer]
     try:
         remaining = len(streams)
         while remaining:
-            i, out = await queue.get()
-            if isinstance(out, EngineDead):
-                raise APIError(str(out), status=500) from out
-            if isinstance(out, Exception):
-                raise out
-            timers[i].output(out)
-            if out.finished:
-                remaining -= 1
-            yield i, out
+            arrived = [await queue.get()]
+            while not queue.empty():
+                arrived.append(queue.get_nowait())
+            joined: dict[int, RequestOutput] = {}
+            error = None
+            for i, out in arrived:
+                if isinstance(out, Exception):
+                    error = out
+                    break
+                timers[i].output(out)
+                if out.finished:
+                    remaining -= 1
+                if i in joined:
+                    out = dataclasses.replace(
+                        out, new_token_ids=joined[i].new_token_ids + out.new_token_ids)
+                joined[i] = out
+            for i, out in joined.items():
+                yield i, out
+            if isinstance(error, EngineDead):
+                raise APIError(str(error), status=500) from error
+            if error is not None:
+                raise error
     finally:
         for t in tasks:
             t.cancel()
