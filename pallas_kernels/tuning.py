@@ -13,25 +13,18 @@ import jax
 import jax.numpy as jnp
 
 # GDN chunked prefill: bv = V tile of the state kept per program (state tile
-# [dk, bv] fp32), warps / stages for the intra-chunk and main kernels.
-# inverse: "subst" (row forward substitution, fp32), "doubling" (recursive doubling
-# of the diagonal blocks on 64x64) or "block32" (doubling on two 32x32 diagonal blocks
-# + one merge); the products run in tf32 for 16-bit inputs and IEEE fp32 for float32
-# inputs.
-# mode: "M" (the intra launch writes M = T diag(beta), the main launch forms
-# v_new = M (V - e^gamma K S)) or "wu" (intra writes w = M (e^gamma K) and
-# u = M V in the input dtype, main forms v_new = u - w S; block32 only).
-# m_dtype: storage of M for 16-bit inputs (float32 inputs keep float32).
+# [dk, bv] fp32), warps / stages for the intra-chunk and main kernels (gdn/pallas_triton.py:
+# the 64x64 inverse by doubling on two 32x32 blocks, w and u written in the input dtype;
+# tf32 products for 16-bit inputs, IEEE fp32 for float32 inputs).
 # main: "triton" (the Pallas Triton launches above) or "mgpu" (gdn/mgpu.py: Mosaic GPU
 # intra and sequential launches, wgmma + TMA, sm90, 16-bit inputs; bv_mgpu its V tile,
 # 128 bytes of the input dtype).
 _PREFILL_BASE = dict(bv=32, intra_warps=4, intra_stages=2, main_warps=4, main_stages=2,
-                     inverse="block32", mode="wu", m_dtype="bfloat16", main="triton",
-                     bv_mgpu=64)
+                     main="triton", bv_mgpu=64)
 GDN_PREFILL = {
-    # H200: the Mosaic GPU pair is faster than the best Triton pair (block32 + wu +
-    # bv 32) at 1x8192 Hk16 Hv64 (bench/RESULTS.md, "GDN kernels": prefill); the
-    # Triton keys serve float32 inputs and calls with snapshots
+    # H200: the Mosaic GPU pair is faster than the best Triton pair (bv 32) at
+    # 1x8192 Hk16 Hv64 (bench/RESULTS.md, "GDN kernels": prefill); the
+    # Triton launches serve float32 inputs, other head sizes and interpret mode
     "sm90": dict(_PREFILL_BASE, main="mgpu"),
     # Blackwell: unmeasured; the Hopper entry without the wgmma kernels
     "sm100": dict(_PREFILL_BASE),

@@ -256,7 +256,7 @@ def test_triton_keys_without_main_are_refused_where_mosaic_is_the_default(monkey
     x = jnp.zeros((1, 8, 1, 64), jnp.bfloat16)
     gb = jnp.zeros((1, 8, 1), jnp.float32)
     with pytest.raises(ValueError, match="main='triton'"):
-        pallas_triton.gdn_prefill_pallas(x, x, x, gb, gb, config=dict(inverse="doubling"))
+        pallas_triton.gdn_prefill_pallas(x, x, x, gb, gb, config=dict(bv=16))
 
 
 @pytest.mark.parametrize("l2norm", [True, False])

@@ -618,7 +618,7 @@ def test_first_pull_to_a_fresh_peer_goes_alone_then_the_rest_follow():
     try:
         params = [source.pin(blocks([i])) for i in range(4)]
         ids = [pull(puller, p, blocks([10 + i])) for i, p in enumerate(params)]
-        assert [puller._pulls[i].queued for i in ids] == [False, True, True, True]
+        assert [puller._pulls.pulls[i].queued for i in ids] == [False, True, True, True]
         done = drive(source, puller, until=lambda d: set(ids) <= d.keys())
         assert all(done[i].ok for i in ids)
         src, dst = view(source, "kv").reshape(BLOCKS, BLOCK), view(puller, "kv").reshape(BLOCKS, BLOCK)

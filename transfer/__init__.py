@@ -11,8 +11,10 @@ Knows regions, offsets and lengths, never models or requests (it imports nothing
 * ``drain``: failed pulls whose READ still runs, held until NIXL ends it;
 * ``lease``: the source's leases: bytes pinned until their claimant is done with them;
 * ``ticket``: what a source hands a puller, and what claiming it returns;
-* ``manager``: pin under a lease, claim, pull (READ) with notification, timeouts, failure
-  reports;
+* ``pulls``: the puller's state machine: claims not yet pulled, pulls in flight, their
+  completions;
+* ``manager``: the endpoint: pin under a lease, claim, pull (READ) with notification,
+  timeouts, failure reports, one lock over both sides and every NIXL call;
 * ``progress``: a thread that runs the manager's protocol while its owner is busy;
 * ``faults``: an agent wrapper that fails, hangs or mutes the next READs (tests only).
 

@@ -78,8 +78,6 @@ picks its transports per thread.
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
 import logging
 import queue
 import threading
@@ -88,17 +86,15 @@ import uuid
 from typing import Callable, Iterable, Sequence
 
 from transfer import descriptors
-from transfer.agent import Agent, PeerDisconnected
-from transfer.drain import Drains
-from transfer.handshake import (Address, CompatibilityError, HandshakeError, HandshakeServer, Hello,
+from transfer.agent import Agent
+from transfer.handshake import (Address, CompatibilityError, HandshakeServer, Hello,
                                 claim as claim_lease, exchange, ping)
 from transfer.lease import Leases
+from transfer.pulls import PEER_GONE, Completion, Pulls, TransferError
 from transfer.ticket import Claim, Ticket
 
 log = logging.getLogger(__name__)
 
-ERROR, TIMEOUT, PEER_GONE, STALE = "error", "timeout", "peer_gone", "stale"
-RESEND = 0.25  # seconds between repeats of an unacknowledged "done"
 # Seconds between polls while a READ into VRAM is in flight: a whole request lands in about
 # a millisecond over cuda_ipc, and a 0.5 ms poll put a ~0.6 ms floor under every READ
 # (bench/RESULTS.md, "Transfer"). DRAM READs take tens of ms; they poll every 0.5 to 1 ms.
@@ -107,67 +103,6 @@ POLL_VRAM_PULL = 0.0001
 
 class TransferParamsError(ValueError):
     """Transfer parameters that cannot be honoured; nothing was posted."""
-
-
-class TransferError(RuntimeError):
-    """Why a pull failed: ``kind`` is one of "error", "timeout", "peer_gone", "stale"."""
-
-    def __init__(self, kind: str, detail: str):
-        self.kind, self.detail = kind, detail
-        super().__init__(f"{kind}: {detail}")
-
-
-@dataclasses.dataclass(frozen=True)
-class Completion:
-    """The end of a pull: ``error`` is None on success; sizes describe the READ."""
-
-    pull_id: int
-    lease: str
-    error: TransferError | None
-    nbytes: int
-    descriptors: int
-    seconds: float
-    # Where ``seconds`` went, for benchmarks and metrics: "plan" (the handshake if the
-    # source was new, and descriptor planning),
-    # "post" (NIXL initialize + post of the READ), "read" (until NIXL reported the READ
-    # done, as seen by poll()), "ack" (from then until the source's ack).
-    phases: dict = dataclasses.field(default_factory=dict)
-    # False: a failed pull whose READ may still write into the destination; the pull
-    # id appears in ``TransferManager.settled()`` once it cannot
-    settled: bool = True
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None
-
-
-@dataclasses.dataclass
-class _Pull:
-    id: int
-    peer: str
-    lease: str
-    plan: descriptors.Plan
-    ttl: float
-    started: float
-    deadline: float
-    next_extend: float
-    handle: object = None  # NIXL transfer handle while the READ is in flight (None: none
-    # was posted, or NIXL took none: the pull then waits for its deadline)
-    read_done: bool = False
-    tag: str = ""  # names this pull in "done" and "ack" messages
-    next_done: float = 0.0  # when to repeat "done" if the source has not acked
-    ack: str | None = None
-    settled: bool = True  # False while its failed READ drains
-    queued: bool = False  # held back until the first pull on a fresh connection completes
-    marks: dict = dataclasses.field(default_factory=dict)  # phase -> monotonic time it ended
-
-
-@dataclasses.dataclass
-class _Open:
-    """A claim not yet pulled: extended every third of its TTL until pulled or released."""
-
-    claim: Claim
-    next_extend: float
 
 
 class TransferManager:
@@ -192,19 +127,9 @@ class TransferManager:
         self._incoming: queue.SimpleQueue[Hello] = queue.SimpleQueue()  # accepted by the server
         self._peers: dict[str, Hello] = {}
         self._addresses: dict[str, Address] = {}
-        self._epoch = uuid.uuid4().hex[:8]
-        self._pull_ids = itertools.count()
-        self._leases = Leases(self._epoch)  # the source side
-        self._pulls: dict[int, _Pull] = {}
-        self._open: dict[tuple[str, str], _Open] = {}  # (agent, lease) -> a claim not yet pulled
-        self._zombies: list = []  # handles NIXL would not release yet
-        self._done: list[Completion] = []  # completed but not yet returned by collect()
-        # failed pulls whose kind waits on a ping of their peer, which progress() sends
-        # outside the lock (up to 0.2 s): (pull, kind, detail, notify)
-        self._suspects: list[tuple[_Pull, str, str, bool]] = []
-        self._landed: list[int] = []  # pulls whose READ finished, not yet returned by landed()
-        self._drains = Drains(agent, self._release)  # failed pulls whose READ NIXL has not ended
-        self._proven: set[str] = set()  # peers with a completed pull: connection fully set up
+        epoch = uuid.uuid4().hex[:8]
+        self._leases = Leases(epoch)  # the source side
+        self._pulls = Pulls(agent, epoch, self._peers, self._addresses, self._send)  # the puller's
         self._lock = threading.Lock()  # guards all of the above and every NIXL call
         self.opened = threading.Event()
         self._server = HandshakeServer(self._hello, self._incoming.put, secret=secret,
@@ -243,15 +168,11 @@ class TransferManager:
         it."""
         with self._lock:
             self._leases.free_claimed_by(name, PEER_GONE)
-            for p in [p for p in self._pulls.values() if p.peer == name]:
-                self._fail(p, PEER_GONE, f"peer {name} declared lost", notify=False)
-            for key in [k for k in self._open if k[0] == name]:
-                del self._open[key]  # pulled later, they fail at once: the peer is gone
+            self._pulls.peer_lost(name)
             known = self._peers.pop(name, None)
             self._addresses.pop(name, None)
-            self._proven.discard(name)
             if known is not None:
-                self._drains.remove_peer(name)
+                self._pulls.drains.remove_peer(name)
 
     # ---- source side ---------------------------------------------------------------------
 
@@ -320,16 +241,14 @@ class TransferManager:
             raise TransferParamsError(f"source {ticket.agent}: {e}") from None
         claim = Claim(ticket.agent, ticket.lease, float(answer["ttl"]), items, answer["meta"])
         with self._lock:
-            self._open[(claim.agent, claim.lease)] = _Open(claim, time.monotonic() + claim.ttl / 3)
+            self._pulls.hold(claim)
         self.opened.set()
         return claim
 
     def release(self, claim: Claim) -> None:
         """Give up a claim that will not be pulled: the source frees the lease now."""
         with self._lock:
-            if self._open.pop((claim.agent, claim.lease), None) is not None and \
-                    claim.agent in self._peers:
-                self._send(claim.agent, f"drop {claim.lease}")
+            self._pulls.release(claim)
 
     def pull(self, claim: Claim, local_items: Sequence, timeout: float = 10.0,
              remote_items: Sequence | None = None) -> int:
@@ -344,14 +263,13 @@ class TransferManager:
         source lost since the claim is reported as a "peer_gone" completion instead.
         """
         started = time.monotonic()
-        with self._lock:  # only the owner adds pulls: the answer holds until _start below
-            if any(p.lease == claim.lease and p.peer == claim.agent for p in self._pulls.values()):
+        with self._lock:  # only the owner adds pulls: the answer holds until start below
+            if self._pulls.being_pulled(claim):
                 raise TransferParamsError(f"lease {claim.lease!r} of {claim.agent} is already "
                                           f"being pulled")
             peer = self._peers.get(claim.agent)
             if peer is None:
-                self._open.pop((claim.agent, claim.lease), None)
-                return self._failed_at_once(claim.lease, TransferError(
+                return self._pulls.failed_at_once(claim, TransferError(
                     PEER_GONE, f"source {claim.agent} was lost since the claim"))
         try:  # planning reads only this pull's arguments and immutable region tables: unlocked
             if remote_items is None:
@@ -362,35 +280,8 @@ class TransferManager:
         except descriptors.DescriptorError as e:
             raise TransferParamsError(str(e)) from None
         with self._lock:
-            self._open.pop((claim.agent, claim.lease), None)
-            pull_id = self._start(claim.agent, claim.lease, plan, claim.ttl, started, timeout)
+            pull_id = self._pulls.start(claim, plan, started, timeout)
         self.opened.set()
-        return pull_id
-
-    def _start(self, agent: str, lease: str, plan: descriptors.Plan, ttl: float, started: float,
-               timeout: float) -> int:
-        now = time.monotonic()
-        # the first extend goes out at once: the lease may be most of a TTL old already
-        # (a router retrying a busy decode worker), and the next only a third of one later
-        p = _Pull(next(self._pull_ids), agent, lease, plan, ttl, started, now + timeout,
-                  now, marks={"plan": now})
-        p.tag = f"{self._epoch}.{p.id}"
-        self._pulls[p.id] = p
-        if agent not in self._proven and self._in_flight(agent, but=p):
-            # A burst of READs on a connection still being set up lost notifications and
-            # READ completions on CPU/UCX (2 of 7 runs of 32 concurrent requests): the
-            # first pull to a peer goes alone, the rest follow once one has completed.
-            p.queued = True
-        else:
-            self._post(p)
-        return p.id
-
-    def _in_flight(self, peer: str, but: _Pull) -> bool:
-        return any(q.peer == peer and q is not but and not q.queued for q in self._pulls.values())
-
-    def _failed_at_once(self, lease: str, error: TransferError) -> int:
-        pull_id = next(self._pull_ids)
-        self._done.append(Completion(pull_id, lease, error, 0, 0, 0.0))
         return pull_id
 
     def _resolve(self, agent: str, address: Address) -> Hello:
@@ -408,99 +299,10 @@ class TransferManager:
         with self._lock:
             return self._peers[agent]
 
-    def _post(self, p: _Pull) -> None:
-        msg = f"done {p.lease} {p.tag}".encode()
-        if p.plan.count == 0:  # nothing to read (say, a full prefix hit): just tell the source
-            self._send(p.peer, msg.decode())
-            p.read_done = True
-            self._landed.append(p.id)
-            return
-        peer_mem = next(iter(self._peers[p.peer].regions.values())).mem_type  # one type per agent
-        try:
-            p.handle, state = self.agent.read(p.peer, p.plan.local, p.plan.remote, peer_mem, msg)
-        except PeerDisconnected as e:
-            self._fail(p, PEER_GONE, str(e))
-            return
-        except Exception as e:  # NIXL raises its own types for unknown peers, bad descriptors, ...
-            self._fail(p, ERROR, f"posting READ failed: {e}")
-            return
-        p.marks["post"] = time.monotonic()
-        self._on_state(p, state)
-
-    def _on_state(self, p: _Pull, state: str) -> None:
-        if state == "DONE":
-            self.agent.release(p.handle)
-            p.handle, p.read_done = None, True
-            self._landed.append(p.id)
-            p.marks["read"] = time.monotonic()
-            p.next_done = p.marks["read"] + RESEND
-            self._maybe_complete(p)
-        elif state == "ERR":
-            self._fail(p, ERROR, "NIXL reported a transfer error")
-
-    def _maybe_complete(self, p: _Pull) -> None:
-        if p.ack == "stale":
-            self._fail(p, STALE, f"lease {p.lease} was freed by the source before the READ ended",
-                       notify=False)
-        elif p.read_done and p.ack == "ok":
-            self._finish(p, None)
-
-    def _fail(self, p: _Pull, kind: str, detail: str, notify: bool = True,
-              state: str | None = None) -> None:
-        """An error or timeout is reported as peer_gone if the peer no longer answers: a
-        forgotten peer at once, one with an address after progress() has pinged it. A
-        READ still in flight goes on draining (``transfer.drain``); ``state`` is its
-        state if the caller has just asked NIXL."""
-        if p.handle is not None:
-            if (state or self.agent.state(p.handle)) == "PROC":
-                self._drains.add(p.id, p.handle, p.peer)
-                p.settled = False
-            else:
-                self._release(p.handle)
-        p.handle = None
-        self._pulls.pop(p.id, None)
-        if kind in (ERROR, TIMEOUT):
-            if p.peer not in self._peers:
-                kind, detail = PEER_GONE, f"{detail}; peer {p.peer} no longer answers"
-            elif self._addresses.get(p.peer) is not None:
-                self._suspects.append((p, kind, detail, notify))
-                return
-        self._conclude(p, kind, detail, notify)
-
-    def _conclude(self, p: _Pull, kind: str, detail: str, notify: bool) -> None:
-        if notify and kind != PEER_GONE and p.peer in self._peers:
-            self._send(p.peer, f"drop {p.lease}")
-        self._finish(p, TransferError(kind, detail))
-
-    def _judge(self, suspects: list, addresses: dict) -> None:
-        """Ping the peers of failed pulls without holding the lock (another thread's
-        pin, pull or progress would wait up to 0.2 s a ping), then conclude them."""
-        alive = {peer: address is not None and ping(address, timeout=0.2)  # None: forgotten
-                 for peer, address in addresses.items()}
-        with self._lock:
-            for p, kind, detail, notify in suspects:
-                if not alive[p.peer]:
-                    kind, detail = PEER_GONE, f"{detail}; peer {p.peer} no longer answers"
-                self._conclude(p, kind, detail, notify)
-
-    def _finish(self, p: _Pull, error: TransferError | None) -> None:
-        self._pulls.pop(p.id, None)
-        if error is None:
-            self._proven.add(p.peer)
-        end = time.monotonic()
-        phases, last = {}, p.started
-        for name in ("plan", "post", "read"):
-            if name in p.marks:
-                phases[name], last = p.marks[name] - last, p.marks[name]
-        if error is None:
-            phases["ack"] = end - last
-        self._done.append(Completion(p.id, p.lease, error, p.plan.nbytes, p.plan.count,
-                                     end - p.started, phases, p.settled))
-
     @property
     def pending(self) -> int:
         """Pulls not yet completed."""
-        return len(self._pulls) + len(self._suspects)
+        return len(self._pulls.pulls) + len(self._pulls.suspects)
 
     def pull_poll(self, default: float) -> float:
         """Seconds between polls while a READ is in flight: ``POLL_VRAM_PULL`` into VRAM,
@@ -511,7 +313,8 @@ class TransferManager:
     def busy(self) -> bool:
         """Whether a lease or a pull is open, so a message may be due any moment (or a
         failed READ is draining)."""
-        return bool(self._leases or self._pulls or self._open or self._suspects or self._drains)
+        p = self._pulls
+        return bool(self._leases or p.pulls or p.open or p.suspects or p.drains)
 
     # ---- progress ------------------------------------------------------------------------
 
@@ -525,24 +328,29 @@ class TransferManager:
         ``landed()`` now have something for the owner."""
         with self._lock:
             self._progress()
-            suspects, self._suspects = self._suspects, []
+            suspects, self._pulls.suspects = self._pulls.suspects, []
             if not suspects:  # the usual case: one lock scope a call
                 return self._ready()
             addresses = {p.peer: self._addresses.get(p.peer) for p, *_ in suspects}
-        self._judge(suspects, addresses)
+        # failed pulls whose peer may be gone: pinged without the lock (another thread's
+        # pin, pull or progress would wait up to 0.2 s a ping)
+        alive = {peer: address is not None and ping(address, timeout=0.2)  # None: forgotten
+                 for peer, address in addresses.items()}
         with self._lock:
+            self._pulls.judge(suspects, alive)
             return self._ready()
 
     def _ready(self) -> bool:
-        return bool(self._done or self._landed or self._leases.freed or self._drains.ready)
+        p = self._pulls
+        return bool(p.done or p.landed or self._leases.freed or p.drains.ready)
 
     def collect(self) -> list[Completion]:
         """Owner's thread: run the ``on_free`` callbacks of leases that ``progress()`` freed,
         then return the pulls completed since the last call."""
         with self._lock:
             freed = self._leases.take_freed()
-            done, self._done = self._done, []
-            self._drains.handed(c.pull_id for c in done if not c.settled)
+            done, self._pulls.done = self._pulls.done, []
+            self._pulls.drains.handed(c.pull_id for c in done if not c.settled)
         for lease, held, reason in freed:
             held.run_on_free(lease, reason)
         return done
@@ -554,51 +362,20 @@ class TransferManager:
         for sender, messages in self.agent.notifications().items():
             for m in messages:
                 self._on_message(sender, m, now)
-        for p in list(self._pulls.values()):
-            state = None
-            if p.handle is not None:
-                state = self.agent.state(p.handle)
-                self._on_state(p, state)
-            if p.id not in self._pulls:
-                continue
-            if now >= p.deadline:
-                stage = "the source's ack" if p.read_done else "the READ"
-                self._fail(p, TIMEOUT, f"no completion within the deadline (waiting for {stage})",
-                           state=state)
-            elif now >= p.next_extend and not p.read_done:
-                self._send(p.peer, f"extend {p.lease}")
-                p.next_extend = now + p.ttl / 3
-            elif p.read_done and p.ack is None and now >= p.next_done:
-                self._send(p.peer, f"done {p.lease} {p.tag}")
-                p.next_done = now + RESEND
-        for o in self._open.values():  # claims waiting to be pulled keep their leases
-            if now >= o.next_extend:
-                self._send(o.claim.agent, f"extend {o.claim.lease}")
-                o.next_extend = now + o.claim.ttl / 3
-        for p in [p for p in self._pulls.values() if p.queued]:
-            if p.peer in self._proven or not self._in_flight(p.peer, but=p):
-                p.queued = False
-                self._post(p)
+        self._pulls.advance(now)
         self._leases.expire(now)
-        self._zombies = [h for h in self._zombies if not self.agent.release(h)]
-        self._drains.poll(now, self._peers)
-
-    def _release(self, handle) -> None:
-        """Free a transfer handle; one NIXL refuses is retried every ``progress()``."""
-        if not self.agent.release(handle):
-            self._zombies.append(handle)
 
     def settled(self) -> list[int]:
         """Failed pulls, completed with ``settled`` False and already returned by
         ``collect()``, whose READ has ended since: their destination may now be reused
         or freed."""
         with self._lock:
-            return self._drains.settled()
+            return self._pulls.drains.settled()
 
     @property
     def draining(self) -> int:
         """Failed READs still in flight."""
-        return len(self._drains)
+        return len(self._pulls.drains)
 
     def landed(self) -> list[int]:
         """Pulls whose READ has finished since the last call (the bytes are in place).
@@ -608,7 +385,7 @@ class TransferManager:
         the pull ok, since a "stale" ack means the source reused them during the READ.
         """
         with self._lock:
-            out, self._landed = self._landed, []
+            out, self._pulls.landed = self._pulls.landed, []
         return out
 
     def wait(self, pull_ids: Iterable[int], timeout: float) -> dict[int, Completion]:
@@ -623,7 +400,7 @@ class TransferManager:
                     later.append(c)
             time.sleep(self.pull_poll(0.0005))
         with self._lock:
-            self._done[:0] = later
+            self._pulls.done[:0] = later
         return got
 
     def _on_message(self, sender: str, message: bytes, now: float) -> None:
@@ -637,11 +414,7 @@ class TransferManager:
         elif kind == "drop":
             self._leases.drop(lease, sender)
         elif kind == "ack" and len(parts) == 4:
-            for p in self._pulls.values():
-                if p.peer == sender and p.tag == parts[2]:  # acks of earlier pulls are ignored
-                    p.ack = parts[3]
-                    self._maybe_complete(p)
-                    break
+            self._pulls.on_ack(sender, parts[2], parts[3])
         elif kind not in ("extend", "ack", "done"):
             log.warning("ignoring unknown notification %r from %s", message[:100], sender)
 
@@ -656,9 +429,5 @@ class TransferManager:
         Stop any progress thread first: the agent must not be used afterwards."""
         self._server.close()
         with self._lock:
-            for p in list(self._pulls.values()):
-                if p.handle is not None:
-                    self.agent.release(p.handle)
-            self._drains.close()
-            self._pulls.clear()
+            self._pulls.close()
             self.agent.close()

@@ -5,20 +5,18 @@ The same bodies run on an NVIDIA GPU through the Pallas Triton backend
 in interpret mode (`interpret=True`), which is how the CPU test suite checks
 them.
 
-Prefill is two launches (variants chosen by ``tuning.GDN_PREFILL``):
+Prefill is two launches (tiles chosen by ``tuning.GDN_PREFILL``):
 
-1. intra launch, grid (chunk, value head), fully parallel over the chunk
+1. ``_intra32_kernel``, grid (chunk, value head), fully parallel over the chunk
    table: chunk-local cumulative gate gamma, the strictly lower matrix
-   A_ij = beta_i k_i.k_j exp(gamma_i - gamma_j) (i > j) and T = (I + A)^-1,
-   by row forward substitution (inverse="subst"), by recursive doubling of its
-   diagonal blocks (inverse="doubling", ``_doubling_inverse``), or by that
-   doubling on two 32x32 diagonal blocks plus T_ba = -T_bb A_ba T_aa
-   (inverse="block32", ``_intra32_kernel``); products in tf32 for 16-bit
-   inputs, IEEE fp32 for float32 inputs.  It writes M = T diag(beta)
-   (mode="M") or w = M (e^gamma K) and u = M V (mode="wu").
+   A_ij = beta_i k_i.k_j exp(gamma_i - gamma_j) (i > j) and T = (I + A)^-1 by
+   recursive doubling on its two 32x32 diagonal blocks (``_doubling_inverse``)
+   plus T_ba = -T_bb A_ba T_aa; products in tf32 for 16-bit inputs, IEEE fp32 for
+   float32 inputs.  It writes w = M (e^gamma K) and u = M V, M = T diag(beta), in
+   the input dtype.
 2. ``_main_kernel``, grid (sequence, value head, V tile): one program walks its
    sequence's chunks keeping the fp32 state tile [dk, BV] in registers:
-      Vd = M (V - e^gamma * (K S))        (mode "M")   or   Vd = u - w S   ("wu")
+      Vd = u - w S
       O  = scale (e^gamma * (Q S) + ((Q K^T) . e^{gamma_i - gamma_j} [i >= j]) Vd)
       S  = e^{gamma_C} S + (e^{gamma_C - gamma} * K)^T Vd
    (the v_new = T diag(beta) (V - e^gamma K S) form of FlashInfer / FlashQLA).
@@ -108,9 +106,9 @@ def _doubling_inverse(A, ri, ci, prec):
     part below the diagonal inside each 2s block, D_2s = D_s - D_s B_s D_s (T_ba =
     -T_bb A_ba T_aa); B_s D_s is computed as A D_s kept on B_s's blocks (D_s is block
     diagonal), as the Mosaic GPU intra kernel (gdn/mgpu.py) does. Its products have
-    moderate entries. The product form (I+N)(I+N^2)(I+N^4)..., N = -A, which this
-    replaces, builds powers of A with entries ~1e7 for keys sharing a direction and
-    loses every digit to cancellation (bench/RESULTS.md)."""
+    moderate entries, where the product form (I+N)(I+N^2)(I+N^4)..., N = -A, builds
+    powers of A with entries ~1e7 for keys sharing a direction and loses every digit to
+    cancellation (bench/RESULTS.md)."""
     dn = (((1,), (0,)), ((), ()))
     mm = lambda a, b: lax.dot_general(a, b, dn, precision=prec,
                                       preferred_element_type=jnp.float32)
@@ -124,12 +122,11 @@ def _doubling_inverse(A, ri, ci, prec):
     return D
 
 
-def _intra32_kernel(start_ref, len_ref, k_ref, v_ref, g_ref, b_ref, *out_refs,
-                    ratio, use_l2, mm_dtype, mode):
+def _intra32_kernel(start_ref, len_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, gam_ref, *,
+                    ratio, use_l2, mm_dtype):
     """Intra-chunk part with the 64x64 inverse split in two 32-row blocks:
     T_aa, T_bb by recursive doubling on 32x32 (``_doubling_inverse``), then
-    T_ba = -T_bb A_ba T_aa.  mode "M": writes M = T diag(beta) [64,64];
-    mode "wu": writes w = M (e^gamma * K) [64,dk] and u = M V [64,dv]."""
+    T_ba = -T_bb A_ba T_aa; writes w = M (e^gamma * K) [64,dk] and u = M V [64,dv]."""
     c = pl.program_id(0)
     h = pl.program_id(1)
     hk = h // ratio
@@ -177,84 +174,30 @@ def _intra32_kernel(start_ref, len_ref, k_ref, v_ref, g_ref, b_ref, *out_refs,
     M_aa = T_aa * ba[None, :]
     M_ba = T_ba * ba[None, :]
     M_bb = T_bb * bb[None, :]
-    if mode == "M":
-        m_ref, gam_ref = out_refs
-        d = m_ref.dtype
-        m_ref[c, h, pl.ds(0, H), pl.ds(0, H)] = M_aa.astype(d)
-        m_ref[c, h, pl.ds(0, H), pl.ds(H, H)] = jnp.zeros((H, H), d)
-        m_ref[c, h, pl.ds(H, H), pl.ds(0, H)] = M_ba.astype(d)
-        m_ref[c, h, pl.ds(H, H), pl.ds(H, H)] = M_bb.astype(d)
-    else:
-        w_ref, u_ref, gam_ref = out_refs
-        dv = v_ref.shape[-1]
-        rv = lax.broadcasted_iota(jnp.int32, (H, dv), 0)
-        va = _load(v_ref.at[pl.ds(start, H), h, :], mask=rv < n, other=0.0)
-        vb = _load(v_ref.at[pl.ds(start + H, H), h, :], mask=(rv + H) < n, other=0.0)
-        kga = ka * jnp.exp(gam_a)[:, None]
-        kgb = kb * jnp.exp(gam_b)[:, None]
-        mm = functools.partial(_mm, mm_dtype=mm_dtype)
-        d = w_ref.dtype
-        w_ref[c, h, pl.ds(0, H), :] = mm(M_aa, kga).astype(d)
-        w_ref[c, h, pl.ds(H, H), :] = (mm(M_ba, kga) + mm(M_bb, kgb)).astype(d)
-        u_ref[c, h, pl.ds(0, H), :] = mm(M_aa, va).astype(d)
-        u_ref[c, h, pl.ds(H, H), :] = (mm(M_ba, va) + mm(M_bb, vb)).astype(d)
+    dv = v_ref.shape[-1]
+    rv = lax.broadcasted_iota(jnp.int32, (H, dv), 0)
+    va = _load(v_ref.at[pl.ds(start, H), h, :], mask=rv < n, other=0.0)
+    vb = _load(v_ref.at[pl.ds(start + H, H), h, :], mask=(rv + H) < n, other=0.0)
+    kga = ka * jnp.exp(gam_a)[:, None]
+    kgb = kb * jnp.exp(gam_b)[:, None]
+    mm = functools.partial(_mm, mm_dtype=mm_dtype)
+    d = w_ref.dtype
+    w_ref[c, h, pl.ds(0, H), :] = mm(M_aa, kga).astype(d)
+    w_ref[c, h, pl.ds(H, H), :] = (mm(M_ba, kga) + mm(M_bb, kgb)).astype(d)
+    u_ref[c, h, pl.ds(0, H), :] = mm(M_aa, va).astype(d)
+    u_ref[c, h, pl.ds(H, H), :] = (mm(M_ba, va) + mm(M_bb, vb)).astype(d)
     gam_ref[c, h, pl.ds(0, H)] = gam_a
     gam_ref[c, h, pl.ds(H, H)] = gam_b
-
-
-def _intra_kernel(start_ref, len_ref, k_ref, g_ref, b_ref, m_ref, gam_ref, *,
-                  ratio, use_l2, mm_dtype, inverse):
-    c = pl.program_id(0)
-    h = pl.program_id(1)
-    hk = h // ratio
-    L = CHUNK
-    start = start_ref[c]
-    n = len_ref[c]
-    dk = k_ref.shape[-1]
-    rows = lax.broadcasted_iota(jnp.int32, (L, dk), 0)
-    kmask = rows < n
-    k = _load(k_ref.at[pl.ds(start, L), hk, :], mask=kmask, other=0.0).astype(jnp.float32)
-    if use_l2:
-        k = _rsqrt_norm(k)
-    pos = lax.broadcasted_iota(jnp.int32, (L,), 0)
-    vmask = pos < n
-    g = _load(g_ref.at[pl.ds(start, L), h], mask=vmask, other=0.0).astype(jnp.float32)
-    beta = _load(b_ref.at[pl.ds(start, L), h], mask=vmask, other=0.0).astype(jnp.float32)
-    g = jnp.where(vmask, g, 0.0)
-    beta = jnp.where(vmask, beta, 0.0)
-    gam = jnp.cumsum(g, axis=0)
-    kk = _mm(k, k, tb=True, mm_dtype=mm_dtype)  # [L, L]
-    ri = lax.broadcasted_iota(jnp.int32, (L, L), 0)
-    ci = lax.broadcasted_iota(jnp.int32, (L, L), 1)
-    strict = ri > ci
-    diff = jnp.where(strict, gam[:, None] - gam[None, :], 0.0)
-    A = jnp.where(strict, kk * jnp.exp(diff) * beta[:, None], 0.0)
-
-    if inverse == "subst":
-        # forward substitution: T[i,:] = e_i - sum_{j<i} A[i,j] T[j,:]
-        eye = jnp.where(ri == ci, 1.0, 0.0).astype(jnp.float32)
-
-        def body(i, T):
-            a_i = jnp.sum(jnp.where(ri == i, A, 0.0), axis=0)  # row i of A, [L]
-            new = jnp.where(pos == i, 1.0, 0.0) - jnp.sum(a_i[:, None] * T, axis=0)
-            return jnp.where(ri == i, new[None, :], T)
-
-        T = lax.fori_loop(1, L, body, eye)
-    else:  # "doubling" (gdn_prefill_pallas checked the name)
-        T = _doubling_inverse(A, ri, ci, _inv_prec(mm_dtype))
-    m_ref[c, h, :, :] = (T * beta[None, :]).astype(m_ref.dtype)
-    gam_ref[c, h, :] = gam
 
 
 # ----------------------------------------------------------------------------
 # prefill kernel 2: sequential state pass + output
 # ----------------------------------------------------------------------------
 def _main_kernel(cu_ref, sfirst_ref, snch_ref, start_ref, len_ref, emit_ref,
-                 q_ref, k_ref, v_ref, m_ref, gam_ref, init_ref,
+                 q_ref, k_ref, u_ref, w_ref, gam_ref, init_ref,
                  o_ref, fin_ref, *snap_ref, ratio, use_l2, scale, mm_dtype, bv,
-                 has_init, n_seq, total_rows, mode):
-    """mode "M": v_ref = v (tokens), m_ref = M [C,Hv,64,64];
-    mode "wu": v_ref = u [C,Hv,64,dv], m_ref = w [C,Hv,64,dk].
+                 has_init, n_seq, total_rows):
+    """u_ref = u [C,Hv,64,dv], w_ref = w [C,Hv,64,dk] (the intra launch's).
     With snapshots (snap_ref [S,Hv,dk,dv]), the state after a chunk whose ``emit`` is
     a row is stored there too: the walk passes every snapshot end (the chunk table
     ends chunks at them), so no second pass computes them."""
@@ -292,17 +235,8 @@ def _main_kernel(cu_ref, sfirst_ref, snch_ref, start_ref, len_ref, emit_ref,
         gam = gam_ref[c, h, :]
         eg = jnp.exp(gam)
         gl = jnp.sum(jnp.where(pos == L - 1, gam, 0.0))
-        if mode == "M":
-            v = _load(v_ref.at[pl.ds(start, L), h, pl.ds(v0, bv)], mask=vm,
-                      other=0.0).astype(jnp.float32)
-            M = m_ref[c, h, :, :].astype(jnp.float32)
-            ks = _mm(k, S, mm_dtype=mm_dtype)
-            wp = v - eg[:, None] * ks
-            vd = _mm(M, wp, mm_dtype=mm_dtype)
-        else:
-            u = v_ref[c, h, :, pl.ds(v0, bv)].astype(jnp.float32)
-            w = m_ref[c, h, :, :]
-            vd = u - _mm(w, S, mm_dtype=mm_dtype)
+        u = u_ref[c, h, :, pl.ds(v0, bv)].astype(jnp.float32)
+        vd = u - _mm(w_ref[c, h, :, :], S, mm_dtype=mm_dtype)
         qs = _mm(q, S, mm_dtype=mm_dtype)
         qk = _mm(q, k, tb=True, mm_dtype=mm_dtype)
         p = jnp.where(causal, qk * jnp.exp(jnp.where(causal, gam[:, None] - gam[None, :], 0.0)), 0.0)
@@ -342,8 +276,7 @@ def _pad_rows(x, n):
 
 
 # config keys that only the Triton kernels read
-_TRITON_KEYS = {"bv", "intra_warps", "intra_stages", "main_warps", "main_stages", "inverse",
-                "mode", "m_dtype"}
+_TRITON_KEYS = {"bv", "intra_warps", "intra_stages", "main_warps", "main_stages"}
 
 
 def gdn_prefill_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
@@ -361,9 +294,10 @@ def gdn_prefill_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
             raise ValueError(f"config {config} sets keys of the Triton kernels while this "
                              f"platform's default is main={cfg['main']!r}: add "
                              f"main='triton'")
+        unknown = set(config) - set(cfg)
+        if unknown:
+            raise ValueError(f"unknown GDN prefill config keys {sorted(unknown)}")
         cfg.update(config)
-    if cfg["inverse"] not in ("subst", "doubling", "block32"):
-        raise ValueError(f"unknown inverse {cfg['inverse']!r}")
     bv = min(cfg["bv"], dv)
     if dv % bv:
         bv = dv
@@ -397,46 +331,18 @@ def gdn_prefill_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
     mm_dtype = jnp.float32 if q.dtype == jnp.float32 else jnp.bfloat16
     ratio = Hv // Hk
 
-    inverse = cfg["inverse"]
-    mode = cfg["mode"]
-    st_dtype = (jnp.dtype(cfg["m_dtype"]) if mm_dtype != jnp.float32 else jnp.float32)
-    if mode == "wu" and inverse != "block32":
-        raise ValueError("mode 'wu' needs inverse='block32'")
-    if inverse == "block32":
-        if mode == "M":
-            outs = (jax.ShapeDtypeStruct((C, Hv, CHUNK, CHUNK), st_dtype),
-                    jax.ShapeDtypeStruct((C, Hv, CHUNK), jnp.float32))
-        else:
-            wu_dtype = mm_dtype
-            outs = (jax.ShapeDtypeStruct((C, Hv, CHUNK, dk), wu_dtype),
-                    jax.ShapeDtypeStruct((C, Hv, CHUNK, dv), wu_dtype),
-                    jax.ShapeDtypeStruct((C, Hv, CHUNK), jnp.float32))
-        intra = pl.pallas_call(
-            functools.partial(_intra32_kernel, ratio=ratio, use_l2=use_qk_l2norm,
-                              mm_dtype=mm_dtype, mode=mode),
-            out_shape=outs,
-            grid=(C, Hv),
-            compiler_params=_compiler_params(cfg["intra_warps"], cfg["intra_stages"]),
-            interpret=interpret,
-            name="gdn_intra32",
-        )(tab["start"], tab["length"], kf, vf, gf, bf)
-    else:
-        intra = pl.pallas_call(
-            functools.partial(_intra_kernel, ratio=ratio, use_l2=use_qk_l2norm,
-                              mm_dtype=mm_dtype, inverse=inverse),
-            out_shape=(jax.ShapeDtypeStruct((C, Hv, CHUNK, CHUNK), st_dtype),
-                       jax.ShapeDtypeStruct((C, Hv, CHUNK), jnp.float32)),
-            grid=(C, Hv),
-            compiler_params=_compiler_params(cfg["intra_warps"], cfg["intra_stages"]),
-            interpret=interpret,
-            name="gdn_intra",
-        )(tab["start"], tab["length"], kf, gf, bf)
-    if mode == "M":
-        m, gam = intra
-        x_in, y_in = vf, m
-    else:
-        w, u, gam = intra
-        x_in, y_in = u, w
+    intra = pl.pallas_call(
+        functools.partial(_intra32_kernel, ratio=ratio, use_l2=use_qk_l2norm,
+                          mm_dtype=mm_dtype),
+        out_shape=(jax.ShapeDtypeStruct((C, Hv, CHUNK, dk), mm_dtype),
+                   jax.ShapeDtypeStruct((C, Hv, CHUNK, dv), mm_dtype),
+                   jax.ShapeDtypeStruct((C, Hv, CHUNK), jnp.float32)),
+        grid=(C, Hv),
+        compiler_params=_compiler_params(cfg["intra_warps"], cfg["intra_stages"]),
+        interpret=interpret,
+        name="gdn_intra32",
+    )(tab["start"], tab["length"], kf, vf, gf, bf)
+    w, u, gam = intra
     if _only_intra:
         return intra
     has_init = initial_state is not None
@@ -446,7 +352,7 @@ def gdn_prefill_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
     o, fin, *snaps = pl.pallas_call(
         functools.partial(_main_kernel, ratio=ratio, use_l2=use_qk_l2norm,
                           scale=float(scale), mm_dtype=mm_dtype, bv=bv,
-                          has_init=has_init, n_seq=N, total_rows=TT, mode=mode),
+                          has_init=has_init, n_seq=N, total_rows=TT),
         out_shape=(jax.ShapeDtypeStruct((rows, Hv, dv), v.dtype),
                    jax.ShapeDtypeStruct((N, Hv, dk, dv), jnp.float32)) + snap_shape,
         grid=(N, Hv, dv // bv),
@@ -454,7 +360,7 @@ def gdn_prefill_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
         interpret=interpret,
         name="gdn_chunk_main",
     )(cu, tab["seq_first_chunk"], tab["seq_nchunks"], tab["start"], tab["length"],
-      tab["emit"], qf, kf, x_in, y_in, gam, init)
+      tab["emit"], qf, kf, u, w, gam, init)
     o = o[:TT].reshape(B, T, Hv, dv)
     fin = fin if output_final_state else None
     if snapshot_ends is None:
