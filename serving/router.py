@@ -7,10 +7,10 @@ and the ticket of the pinned cache), then posts it to a decode worker, which cla
 and pulls the cache itself and sends its tokens on the router's output channel there
 (``serving.output_channel``: one stream per decode worker, a line per engine step).
 Each worker is the least loaded, with a worker it sent the prompt's prefix before
-counting as up to one request less loaded (``PrefixIndex``: there the prefix is likely
-cached, and a decode worker that has it pulls only the rest).  The router never
-touches cache memory; it only carries tickets.  Every call carries
-the workers' shared secret, and every message is a ``serving.messages`` model.
+counting as up to one request less loaded (``serving.worker_pool``: there the prefix
+is likely cached, and a decode worker that has it pulls only the rest).  The router
+never touches cache memory; it only carries tickets.  Every call carries the workers'
+shared secret, and every message is a ``serving.messages`` model.
 
 The decode workers pull only from prefill workers the router registered with them
 (``Sources``): the router learns each prefill worker's transfer address from its
@@ -35,88 +35,23 @@ lease when no decode worker pulls it.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-from collections import OrderedDict
 
 import httpx
 from pydantic import ValidationError
 
 from serving import bucket_counts
 from serving.engine import RequestOutput, SamplingParams
-from serving.engine.prefix_cache import block_key
 from serving.errors import EngineDead, EngineOverloaded, Unavailable, WorkerFailed
 from serving.messages import (DecodeAbort, DecodeRequest, PeerLost, PrefillRequest,
                               PrefillResult, Sampling, Sources)
 from serving.output_channel import OutputChannel
+from serving.worker_pool import WorkerPool
 from serving.secret import header
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Router", "RouterStream", "WorkerFailed"]
-
-
-class PrefixIndex:
-    """Which workers were sent each prompt prefix, by the hash chain of its full blocks
-    (``prefix_cache.block_key``): where a prompt's prefix is most likely cached. It is a
-    bounded LRU and a guess (a worker may have evicted the prefix, or restarted), as
-    llm-d's prefix scorer and Dynamo's approximate KV router are."""
-
-    def __init__(self, block_size: int, max_keys: int = 1 << 17):
-        self.block_size, self.max_keys = block_size, max_keys
-        self._workers: OrderedDict[bytes, set[str]] = OrderedDict()
-
-    def keys(self, prompt: list[int]) -> list[bytes]:
-        out, prev, bs = [], b"router", self.block_size
-        for j in range(len(prompt) // bs):
-            prev = block_key(prev, prompt[j * bs:(j + 1) * bs])
-            out.append(prev)
-        return out
-
-    def matched(self, keys: list[bytes]) -> dict[str, int]:
-        """Per worker, how many of the leading blocks it was sent."""
-        out: dict[str, int] = {}
-        for j, key in enumerate(keys):
-            workers = self._workers.get(key)
-            if not workers:
-                break
-            self._workers.move_to_end(key)
-            for u in workers:
-                out[u] = j + 1
-        return out
-
-    def record(self, keys: list[bytes], url: str) -> None:
-        for key in keys:
-            self._workers.setdefault(key, set()).add(url)
-            self._workers.move_to_end(key)
-        while len(self._workers) > self.max_keys:
-            self._workers.popitem(last=False)
-
-
-class _Pool:
-    """Workers of one role, picked by the least cost: outstanding requests, plus the share
-    of the prompt's blocks a worker was not sent before (a worker holding the whole prefix
-    is worth one request more of load); ties rotate."""
-
-    def __init__(self, urls: list[str], block_size: int):
-        if not urls:
-            raise ValueError("need at least one worker of each role")
-        self.urls = list(urls)
-        self.load = dict.fromkeys(self.urls, 0)
-        self.prefixes = PrefixIndex(block_size)
-        self._turn = itertools.count()
-
-    def pick(self, exclude=(), keys: list[bytes] = ()) -> str | None:
-        """The worker of least cost among those not in ``exclude``, for a prompt of block
-        ``keys`` (``PrefixIndex.keys``; none: by load alone); None if none is left."""
-        choices = [u for u in self.urls if u not in exclude]
-        if not choices:
-            return None
-        start = next(self._turn)
-        rotated = choices[start % len(choices):] + choices[:start % len(choices)]
-        matched = self.prefixes.matched(keys) if keys else {}
-        return min(rotated, key=lambda u: self.load[u]
-                   + (1 - matched.get(u, 0) / len(keys) if keys else 0))
 
 
 class RouterStream:
@@ -184,8 +119,8 @@ class Router:
                  max_model_len: int, max_logprobs: int, request_timeout: float = 120.0,
                  connect_timeout: float = 5.0, decode_retry_seconds: float = 20.0,
                  block_size: int = 16):
-        self.prefill = _Pool(prefill_urls, block_size)
-        self.decode = _Pool(decode_urls, block_size)
+        self.prefill = WorkerPool(prefill_urls, block_size)
+        self.decode = WorkerPool(decode_urls, block_size)
         self.max_model_len, self.max_logprobs = max_model_len, max_logprobs
         self.decode_retry_seconds = decode_retry_seconds
         timeout = httpx.Timeout(request_timeout, connect=connect_timeout)

@@ -7,7 +7,8 @@ import pytest
 from serving.engine import RequestOutput, SamplingParams
 from serving.errors import EngineOverloaded, Unavailable, WorkerFailed
 from serving.output_channel import OutputChannel
-from serving.router import _Pool, Router, RouterStream
+from serving.router import Router, RouterStream
+from serving.worker_pool import WorkerPool
 
 SECRET = "the workers' shared secret, test"
 TICKET = {"agent": "prefill-a", "address": ["127.0.0.1", 9000], "lease": "abc.1", "ttl": 30.0}
@@ -266,7 +267,7 @@ def test_a_prompt_goes_where_its_prefix_went_unless_that_worker_is_busier():
     """Cost = outstanding requests + the share of the prompt's blocks a worker was not
     sent: with equal loads the longest match wins; load outweighs a partial match; a
     prompt sharing nothing goes by load alone."""
-    pool = _Pool(["http://a", "http://b", "http://c"], block_size=4)
+    pool = WorkerPool(["http://a", "http://b", "http://c"], block_size=4)
     head = list(range(1, 17))  # four blocks
     pool.prefixes.record(pool.prefixes.keys(head + [99]), "http://b")
     pool.prefixes.record(pool.prefixes.keys(head[:8]), "http://c")
