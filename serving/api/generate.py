@@ -78,10 +78,7 @@ async def merged(streams: list[RequestStream], timers: list[RequestTimer]
                 timers[i].output(out)
                 if out.finished:
                     remaining -= 1
-                if i in joined:
-                    out = dataclasses.replace(
-                        out, new_token_ids=joined[i].new_token_ids + out.new_token_ids)
-                joined[i] = out
+                joined[i] = _join(joined[i], out) if i in joined else out
             for i, out in joined.items():
                 yield i, out
             if isinstance(error, EngineDead):
@@ -104,12 +101,18 @@ async def every(outputs: AsyncIterator[tuple[int, RequestOutput]], interval: int
     async for i, out in outputs:
         held = pending.pop(i, None)
         if held is not None:
-            out = dataclasses.replace(out, new_token_ids=held.new_token_ids + out.new_token_ids)
+            out = _join(held, out)
         if out.finished or i not in started or len(out.new_token_ids) >= interval:
             started.add(i)
             yield i, out
         else:
             pending[i] = out
+
+
+def _join(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """One output for two consecutive ones of a request: the later one's state with the
+    new tokens of both."""
+    return dataclasses.replace(later, new_token_ids=earlier.new_token_ids + later.new_token_ids)
 
 
 async def close_all(streams: list[RequestStream]) -> None:
