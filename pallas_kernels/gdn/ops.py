@@ -52,7 +52,7 @@ def gdn_decode(q, k, v, g, beta, state_pool, slots, *, scale=None,
     if b in ("reference", "recurrent"):
         return _ref.gdn_decode_reference(q, k, v, g, beta, state_pool, slots,
                                          scale=scale, use_qk_l2norm=use_qk_l2norm)
-    from .pallas_triton import gdn_decode_pallas
+    from .pallas_triton_decode import gdn_decode_pallas
     return gdn_decode_pallas(q, k, v, g, beta, state_pool, slots, scale=scale,
                              use_qk_l2norm=use_qk_l2norm,
                              interpret=(b == "interpret"), config=config)
