@@ -19,6 +19,10 @@ difference over ``steps`` (``bench.timing.decode_step_seconds``); beside it, the
 the host spent dispatching a step (``DispatchTimer``). The caches are swapped under
 the same engine (``Engine.swap_cache``: same shapes and dtypes, so no recompile).
 First it counts the copies of a whole cache array in the compiled programs (none on CPU).
+``--quantizations none fp8`` repeats it all per weight format (``--quantization``, one
+model at a time), so FP8 and bf16 steps are timed in one process; ``--cases`` picks
+which of the four (cache, loop) cases run; ``--prefill-len N`` also times one prefill
+step of an N-token prompt (median of three single-token requests, after a warm one).
 With ``--profile`` it also traces the plain engine on XLA's cache (``bench.profile``) and
 prints one decode step's kernels by time, and how much of the step the device was busy;
 ``--profile-prefill N`` does the same for one prefill step of an N-token prompt.
@@ -26,6 +30,7 @@ prints one decode step's kernels by time, and how much of the step the device wa
 
 import argparse
 import asyncio
+import gc
 import json
 import re
 import time
@@ -110,22 +115,58 @@ def main(argv=None) -> dict:
     p.add_argument("--max-model-len", type=int, default=9216,
                    help="sizes the caches (and so what a whole-cache copy would cost)")
     p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--num-blocks", type=int, default=0,
+                   help="KV blocks (default: max_model_len for every sequence)")
     p.add_argument("--profile", action="store_true",
                    help="trace one decode step's kernels per batch size (plain engine, XLA cache)")
     p.add_argument("--profile-prefill", type=int, default=0, metavar="N",
                    help="also trace one prefill step of an N-token prompt")
+    p.add_argument("--hf-overrides", type=json.loads, default=None,
+                   help='config overrides for a preset, e.g. \'{"num_hidden_layers": 20}\'')
+    p.add_argument("--quantizations", nargs="+", default=["none"], choices=["none", "fp8"])
+    p.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES),
+                   help="(cache, loop) cases to time")
+    p.add_argument("--prefill-len", type=int, default=0, metavar="N",
+                   help="also time one prefill step of an N-token prompt")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
+    results = []
+    for quantization in a.quantizations:
+        results.append(run_case(a, None if quantization == "none" else quantization))
+        gc.collect()  # one model's weights and caches at a time
+    rows = [r for res in results for r in res["rows"]]
+    if len(results) > 1:
+        base = {(r["cache"], r["loop"], r["seqs"]): r["step_ms"] for r in results[0]["rows"]}
+        print("| weights | cache | loop | seqs | decode step ms | vs first |\n|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['quantization']} | {r['cache']} | {r['loop']} | {r['seqs']} | "
+                  f"{r['step_ms']:.2f} | {base[r['cache'], r['loop'], r['seqs']] / r['step_ms']:.2f}x |")
+        for res in results:
+            if "prefill_ms" in res:
+                print(f"prefill step of {a.prefill_len} tokens, {res['quantization']}: "
+                      f"{res['prefill_ms']:.1f} ms")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return results
 
+
+CASES = ("xla+engine", "xla+async", "registered+engine", "registered+async")
+
+
+def run_case(a, quantization) -> dict:
+    """Every case of ``a`` on one model (``quantization``: None or "fp8")."""
     dtype = default_dtype()
     seqs = max(a.seqs)
-    tokens = max(max(a.prompt_len, 64) * seqs, a.profile_prefill)
-    model = load_model(a.preset, dtype, 0)
+    tokens = max(max(a.prompt_len, 64) * seqs, a.profile_prefill, a.prefill_len)
+    model = load_model(a.preset, dtype, 0, hf_overrides=a.hf_overrides,
+                       quantization=quantization)
     config = EngineConfig(max_num_seqs=seqs, max_num_batched_tokens=tokens,
                           max_model_len=a.max_model_len, block_size=a.block_size,
-                          num_blocks=seqs * -(-a.max_model_len // a.block_size),
+                          num_blocks=a.num_blocks or seqs * -(-a.max_model_len // a.block_size),
                           eos_token_ids=tuple(model.config.eos_token_ids),
-                          buckets=Buckets((tokens,), (seqs,), tuple(sorted(set(a.seqs)))))
+                          buckets=Buckets(tuple(sorted({tokens, a.prefill_len} - {0})), (seqs,),
+                                          tuple(sorted(set(a.seqs)))))
     caches = {
         "xla": lambda: allocate_cache(model.config, config, dtype),
         "registered": lambda: allocate_registered_cache(
@@ -144,17 +185,30 @@ def main(argv=None) -> dict:
         profiles["prefill"] = profile.kernel_times(lambda: run_sync(engine, prompt, 1))
         print(f"one prefill step of {a.profile_prefill} tokens, from the trace:\n"
               f"{profile.table(profiles['prefill'])}", flush=True)
+    result = {"preset": a.preset, "quantization": quantization or "none",
+              "device": jax.devices()[0].device_kind}
+    if a.prefill_len:
+        prompt = [rng.integers(3, 500, a.prefill_len).tolist()]
+        run_sync(engine, prompt, 1)  # warm
+        result["prefill_ms"] = 1e3 * float(np.median([run_sync(engine, prompt, 1)
+                                                      for _ in range(3)]))
+        print(f"{quantization or 'none'}: one prefill step of {a.prefill_len} tokens "
+              f"{result['prefill_ms']:.1f} ms", flush=True)
     for cache_kind in ("xla", "registered"):
+        if not any(c.startswith(cache_kind + "+") for c in a.cases):
+            continue
         if cache_kind != "xla":
             engine.swap_cache(caches[cache_kind]())
         for loop, run in (("engine", run_sync), ("async", run_async)):
+            if f"{cache_kind}+{loop}" not in a.cases:
+                continue
             for n in a.seqs:
                 prompts = [rng.integers(3, 500, a.prompt_len).tolist() for _ in range(n)]
                 first = len(dispatch.seconds)
                 s = decode_step_seconds(run, engine, prompts, a.steps)
                 d = dispatch.median_ms(first)
-                rows.append({"cache": cache_kind, "loop": loop, "seqs": n, "step_ms": 1e3 * s,
-                             "dispatch_ms": d})
+                rows.append({"quantization": quantization or "none", "cache": cache_kind,
+                             "loop": loop, "seqs": n, "step_ms": 1e3 * s, "dispatch_ms": d})
                 print(f"cache {cache_kind:>10}  loop {loop:>6}  seqs {n:>4}  "
                       f"decode step {1e3 * s:8.2f} ms  dispatch {d:6.2f} ms", flush=True)
                 if a.profile and cache_kind == "xla" and loop == "engine":
@@ -164,18 +218,14 @@ def main(argv=None) -> dict:
                     profiles[n] = step
                     print(f"one decode step at {n} sequences, from the trace:\n"
                           f"{profile.table(step)}", flush=True)
-    base = {r["seqs"]: r["step_ms"] for r in rows if r["cache"] == "xla" and r["loop"] == "engine"}
-    print("| cache | loop | seqs | decode step ms | vs xla + engine | dispatch ms |\n"
+    base = {r["seqs"]: r["step_ms"] for r in rows}  # the first case's
+    print("| cache | loop | seqs | decode step ms | vs first case | dispatch ms |\n"
           "|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['cache']} | {r['loop']} | {r['seqs']} | {r['step_ms']:.2f} | "
               f"{r['step_ms'] / base[r['seqs']]:.2f}x | {r['dispatch_ms']:.2f} |")
-    result = {"preset": a.preset, "device": jax.devices()[0].device_kind,
-              "cache_gib": {"kv": config.num_blocks * engine.runner.cache.block_nbytes / 2**30},
-              "whole_cache_copies": copies, "rows": rows, "profiles": profiles}
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(result, f, indent=1)
+    result.update(cache_gib={"kv": config.num_blocks * engine.runner.cache.block_nbytes / 2**30},
+                  whole_cache_copies=copies, rows=rows, profiles=profiles)
     return result
 
 

@@ -275,11 +275,26 @@ def test_decode_step_bench_runs_on_cpu(tmp_path):
     the loops, not a speed), and no program copies a whole cache pool."""
     from bench.decode_step import main
 
-    r = main(["--seqs", "2", "--steps", "4", "--prompt-len", "16", "--max-model-len", "128",
-              "--block-size", "16", "--json", str(tmp_path / "d.json")])
+    [r] = main(["--seqs", "2", "--steps", "4", "--prompt-len", "16", "--max-model-len", "128",
+                "--block-size", "16", "--json", str(tmp_path / "d.json")])
     assert [(x["cache"], x["loop"]) for x in r["rows"]] == [
         ("xla", "engine"), ("xla", "async"), ("registered", "engine"), ("registered", "async")]
     assert all(np.isfinite(x["step_ms"]) for x in r["rows"])
     # every program updates the pools in place: no copy of a whole cache array
     assert r["whole_cache_copies"] and not any(r["whole_cache_copies"].values())
-    assert json.loads((tmp_path / "d.json").read_text())["rows"] == r["rows"]
+    assert json.loads((tmp_path / "d.json").read_text())[0]["rows"] == r["rows"]
+
+
+def test_decode_step_bench_times_bf16_and_fp8_weights_in_one_process():
+    """``--quantizations none fp8``: one model after the other, the chosen case and a
+    prefill step each, on weights of the two formats."""
+    from bench.decode_step import main
+
+    plain, fp8 = main(["--seqs", "2", "--steps", "2", "--prompt-len", "16", "--max-model-len",
+                       "128", "--block-size", "16", "--quantizations", "none", "fp8",
+                       "--cases", "xla+engine", "--prefill-len", "32"])
+    assert (plain["quantization"], fp8["quantization"]) == ("none", "fp8")
+    for r in (plain, fp8):
+        assert [(x["cache"], x["loop"], x["quantization"]) for x in r["rows"]] == [
+            ("xla", "engine", r["quantization"])]
+        assert np.isfinite(r["rows"][0]["step_ms"]) and r["prefill_ms"] > 0

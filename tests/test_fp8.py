@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from checkpoints import save_hf
 from hf_reference import hf_model
+from pallas_kernels import block_fp8
 from qwen35_jax import ConfigError, get_preset, quant
 from qwen35_jax.loader import CheckpointError, checkpoint_config, from_pretrained
 from test_model import BOUND, float32_budget, forward, rel_err
@@ -119,9 +120,9 @@ def test_block_rule_matches_numpy(shape, splits):
     rng = np.random.default_rng(0)
     w = (rng.standard_normal(shape) * rng.uniform(0.01, 3, shape)).astype(np.float32)
     w[..., :128, :min(shape[-1], 128)] = 0.0  # an all-zero block: scale 1
-    q, scale = quant.quantize(w, splits)
-    assert q.dtype == jnp.float8_e4m3fn and scale.shape == quant.scale_shape(shape, splits)
-    q_dev, scale_dev = quant.quantize(jnp.asarray(w), splits)  # XLA's division: an ulp
+    q, scale = block_fp8.quantize(w, splits)
+    assert q.dtype == jnp.float8_e4m3fn and scale.shape == block_fp8.scale_shape(shape, splits)
+    q_dev, scale_dev = block_fp8.quantize(jnp.asarray(w), splits)  # XLA's division: an ulp
     np.testing.assert_allclose(np.asarray(scale_dev), scale, rtol=2 ** -23, atol=0)
     assert np.mean(np.asarray(q_dev).view(np.uint8) == q.view(np.uint8)) > 0.999
     part = shape[-1] // splits
@@ -139,8 +140,8 @@ def test_block_rule_matches_numpy(shape, splits):
                     assert np.asarray(scale)[idx][a, j * nb + b] == s
                     want_q[idx][rows, cols] = (blk / s).astype(ml_dtypes.float8_e4m3fn)
     np.testing.assert_array_equal(np.asarray(q).view(np.uint8), want_q.view(np.uint8))
-    back = np.asarray(quant.dequantize(jnp.asarray(q), jnp.asarray(scale), jnp.float32, splits))
-    s_full = quant._expand(scale, shape[-2], shape[-1], splits)
+    back = np.asarray(block_fp8.dequantize(jnp.asarray(q), jnp.asarray(scale), jnp.float32, splits))
+    s_full = block_fp8._expand(scale, shape[-2], shape[-1], splits)
     np.testing.assert_array_equal(back, want_q.astype(np.float32) * s_full)
     assert np.abs(back - w).max() <= np.abs(w).max() / 16  # e4m3 keeps 3 mantissa bits
 
@@ -186,10 +187,10 @@ def test_fp8_checkpoint_loads_its_weights_exactly(checkpoints, kind):
             ex, which = int(e.group(1)), e.group(2)
             moe = base.mlp
             if which == "down_proj":
-                got = quant.dequantize(moe.experts_down[...][lead + (ex,)],
+                got = block_fp8.dequantize(moe.experts_down[...][lead + (ex,)],
                                        moe.experts_down_scale[...][lead + (ex,)], jnp.float32)
             else:
-                full = quant.dequantize(moe.experts_gate_up[...][lead + (ex,)],
+                full = block_fp8.dequantize(moe.experts_gate_up[...][lead + (ex,)],
                                         moe.experts_gate_up_scale[...][lead + (ex,)],
                                         jnp.float32, splits=2)
                 inter = cfg.moe_intermediate_size
@@ -198,9 +199,9 @@ def test_fp8_checkpoint_loads_its_weights_exactly(checkpoints, kind):
             lin = base
             for part in sub.split("."):
                 lin = getattr(lin, "router" if part == "gate" else part)
-            got = quant.dequantize(lin.kernel[...][lead], lin.scale[...][lead], jnp.float32)
+            got = block_fp8.dequantize(lin.kernel[...][lead], lin.scale[...][lead], jnp.float32)
         np.testing.assert_array_equal(np.asarray(got).T, want, err_msg=name)
-    assert not quant.is_fp8(layer.linear_attn.in_proj_a.kernel[...])
+    assert not block_fp8.is_fp8(layer.linear_attn.in_proj_a.kernel[...])
     _set_dequantised(hf, exact)
     ids = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 150))
     ref64, budget = float32_budget(hf, ids)

@@ -115,8 +115,8 @@ def test_expert_combine_masks_foreign_copies(monkeypatch):
     the combine must drop them, not multiply them by zero."""
     from qwen35_jax.layers import moe
 
-    def leaves_foreign_rows_nan(x, w, group_sizes, *, group_offset=0):
-        out = grouped_matmul_reference(x, w, group_sizes, group_offset)
+    def leaves_foreign_rows_nan(x, w, group_sizes, *, group_offset=0, scale=None, splits=1):
+        out = grouped_matmul_reference(x, w, group_sizes, group_offset, scale, splits)
         return jnp.where(jnp.arange(x.shape[0])[:, None] < jnp.sum(group_sizes), out, jnp.nan)
 
     monkeypatch.setattr(moe, "grouped_matmul", leaves_foreign_rows_nan)
@@ -129,7 +129,7 @@ def test_expert_combine_masks_foreign_copies(monkeypatch):
     w_down = rng.standard_normal((2, inter, d)).astype(np.float32)
     out = np.asarray(moe._local_experts(jnp.asarray(x), jnp.asarray(experts),
                                         jnp.asarray(weights), jnp.asarray(w_gate_up),
-                                        jnp.asarray(w_down), 2, 0))
+                                        jnp.asarray(w_down), None, 2, 0))
     ref = np.zeros((t, d))
     for i in range(t):
         for j in range(k):

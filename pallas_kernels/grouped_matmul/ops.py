@@ -11,6 +11,10 @@ Backends:
   "mgpu"      -> the Mosaic GPU kernel (mgpu.py; sm90).
   "pallas"    -> the Pallas Triton kernel compiled for the GPU (pallas_triton.py).
   "interpret" -> the same Pallas kernel body in interpret mode (any platform).
+
+FP8 experts (``scale`` given: block_fp8) stay FP8 in the Pallas kernel; the Mosaic
+kernel and the reference take the layer's experts dequantised (at prefill sizes the
+matmul is compute-bound and one layer's dequantised copy is a small share of it).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from .._dispatch import default_backend
 from ..tuning import _family, gpu_arch, grouped_matmul_config, grouped_matmul_prefers_mgpu
 from .mgpu import grouped_matmul_mgpu, mgpu_tiles, padded_call
 from .pallas_triton import grouped_matmul_pallas, tiles_fit
-from .reference import grouped_matmul_reference
+from .reference import dequantized_groups, grouped_matmul_reference
 
 BACKENDS = ("auto", "reference", "mgpu", "pallas", "interpret")
 
@@ -35,23 +39,30 @@ def resolve(backend: str = "auto", rows: int = 0) -> str:
     return "mgpu" if grouped_matmul_prefers_mgpu(rows) else "pallas"
 
 
-def grouped_matmul(x, w, group_sizes, *, group_offset=0, backend: str = "auto"):
+def grouped_matmul(x, w, group_sizes, *, group_offset=0, scale=None, splits: int = 1,
+                   backend: str = "auto"):
     """``out[r] = x[r] @ w[group_offset + g]`` for row r in group g (rows sorted by
     group; ``w`` [G, K, N] may hold more groups than ``group_sizes`` [E], e.g. every
-    layer's experts). Rows past sum(group_sizes) are zero (reference) or unwritten
-    (kernels), so a caller must mask them (the MoE's expert-parallel path does).
-    "auto" falls back to the reference where no kernel fits (dtype, K or N)."""
+    layer's experts). An FP8 ``w`` comes with its block scales ``scale`` and the number
+    of parts on N that have their own blocks (``splits``: 2 for a fused [gate | up]).
+    Rows past sum(group_sizes) are zero (reference) or unwritten (kernels), so a caller
+    must mask them (the MoE's expert-parallel path does). "auto" falls back to the
+    reference where no kernel fits (dtype, K or N)."""
     chosen = resolve(backend, x.shape[0])
     if chosen in ("pallas", "interpret"):
-        if backend != "auto" or tiles_fit(x, w, grouped_matmul_config(x.shape[0])):
-            return grouped_matmul_pallas(x, w, group_sizes, group_offset,
+        cfg = grouped_matmul_config(x.shape[0])
+        if backend != "auto" or tiles_fit(x, w, cfg, scale, splits):
+            return grouped_matmul_pallas(x, w, group_sizes, group_offset, scale, splits,
                                          interpret=chosen == "interpret")
         chosen = "mgpu" if _family(gpu_arch()) == "sm90" else "reference"  # wgmma: sm90
     if chosen == "mgpu":
+        if scale is not None:
+            w = dequantized_groups(w, scale, group_sizes.shape[0], group_offset, x.dtype, splits)
+            group_offset, scale = 0, None
         tiles = mgpu_tiles(x, w)
         if tiles is not None:
             return padded_call(grouped_matmul_mgpu, x, w, group_sizes, group_offset, tiles)
         if backend == "mgpu":
             raise ValueError(f"mgpu grouped matmul does not take x {x.shape} {x.dtype}, "
                              f"w {w.shape} {w.dtype}")
-    return grouped_matmul_reference(x, w, group_sizes, group_offset)
+    return grouped_matmul_reference(x, w, group_sizes, group_offset, scale, splits)

@@ -28,8 +28,18 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from ..block_fp8 import BLOCK, column_block, is_fp8, tile_fits
 
-def _kernel(off_ref, starts_ref, x_ref, w_ref, o_ref, *, bm, bn, bk, k):
+
+def dot_f32(x, w, swap: bool):
+    """float32 x @ w, or with ``swap`` w^T x^T: the accumulator kept transposed."""
+    if swap:
+        return jnp.dot(w.T, x.T, preferred_element_type=jnp.float32)
+    return jnp.dot(x, w, preferred_element_type=jnp.float32)
+
+
+def _kernel(off_ref, starts_ref, x_ref, w_ref, *refs, bm, bn, bk, k, part, swap):
+    s_ref, o_ref = refs if len(refs) == 2 else (None, refs[0])
     e = pl.program_id(0)
     n0 = pl.program_id(1) * bn
     g = off_ref[0] + e
@@ -37,6 +47,7 @@ def _kernel(off_ref, starts_ref, x_ref, w_ref, o_ref, *, bm, bn, bk, k):
     end = starts_ref[e + 1]
     row = lax.broadcasted_iota(jnp.int32, (bm, bk), 0)
     out_row = lax.broadcasted_iota(jnp.int32, (bm, bn), 0)
+    acc_shape = (bn, bm) if swap else (bm, bn)
 
     def row_tile(i, carry):
         r0 = start + i * bm
@@ -46,9 +57,13 @@ def _kernel(off_ref, starts_ref, x_ref, w_ref, o_ref, *, bm, bn, bk, k):
             k0 = pl.multiple_of(j * bk, bk)
             xt = plt.load(x_ref.at[pl.ds(r0, bm), pl.ds(k0, bk)], mask=live, other=0.0)
             wt = w_ref[g, pl.ds(k0, bk), pl.ds(n0, bn)]
-            return acc + jnp.dot(xt, wt, preferred_element_type=jnp.float32)
+            if s_ref is None:
+                return acc + dot_f32(xt, wt, swap)
+            return acc + (dot_f32(xt, wt.astype(xt.dtype), swap)
+                          * s_ref[g, k0 // BLOCK, column_block(n0, part)])
 
-        acc = lax.fori_loop(0, k // bk, k_step, jnp.zeros((bm, bn), jnp.float32))
+        acc = lax.fori_loop(0, k // bk, k_step, jnp.zeros(acc_shape, jnp.float32))
+        acc = acc.T if swap else acc
         plt.store(o_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)], acc.astype(o_ref.dtype),
                   mask=out_row < end - r0)
         return carry
@@ -56,23 +71,29 @@ def _kernel(off_ref, starts_ref, x_ref, w_ref, o_ref, *, bm, bn, bk, k):
     lax.fori_loop(0, (end - start + bm - 1) // bm, row_tile, 0)
 
 
-def tiles_fit(x, w, cfg) -> bool:
-    """The kernel takes K and N in whole bk / bn tiles and one dtype for x and w."""
+def tiles_fit(x, w, cfg, scale=None, splits: int = 1) -> bool:
+    """The kernel takes K and N in whole bk / bn tiles and one dtype for x and w, or an
+    FP8 w with its block scales whose tiles each lie in one scale block."""
     _, k, n = w.shape
+    if scale is not None:
+        return is_fp8(w) and tile_fits(cfg["bk"], cfg["bn"], k, n, n // splits)
     return x.dtype == w.dtype and k % cfg["bk"] == 0 and n % cfg["bn"] == 0
 
 
-def grouped_matmul_pallas(x, w, group_sizes, group_offset=0, *, interpret=False, config=None):
+def grouped_matmul_pallas(x, w, group_sizes, group_offset=0, scale=None, splits: int = 1, *,
+                          interpret=False, config=None):
     """x [R, K] sorted by group, w [G, K, N], group_sizes [E] (E <= G): out[r] = x[r] @
-    w[group_offset + e] for the rows r of group e; float32 accumulation, x's dtype out."""
+    w[group_offset + e] for the rows r of group e; float32 accumulation, x's dtype out.
+    An FP8 ``w`` comes with its block scales [G, K/128, N/128] (``splits`` parts on N,
+    each with its own blocks: block_fp8)."""
     from ..tuning import grouped_matmul_config
 
     r = x.shape[0]
     cfg = config or grouped_matmul_config(r)
     bm, bn, bk = cfg["bm"], cfg["bn"], cfg["bk"]
-    if not tiles_fit(x, w, cfg):
+    if not tiles_fit(x, w, cfg, scale, splits):
         raise ValueError(f"grouped matmul tiles {bk} x {bn} do not fit x {x.shape} {x.dtype}, "
-                         f"w {w.shape} {w.dtype}")
+                         f"w {w.shape} {w.dtype}" + (" with block scales" if scale is not None else ""))
     k, n = w.shape[1:]
     e = group_sizes.shape[0]
     starts = jnp.concatenate([jnp.zeros((1,), jnp.int32),
@@ -81,11 +102,12 @@ def grouped_matmul_pallas(x, w, group_sizes, group_offset=0, *, interpret=False,
     pad = bm if interpret else max(0, bm - r)  # a row tile never spans more than the array
     xp = jnp.pad(x, ((0, pad), (0, 0))) if pad else x
     out = pl.pallas_call(
-        functools.partial(_kernel, bm=bm, bn=bn, bk=bk, k=k),
+        functools.partial(_kernel, bm=bm, bn=bn, bk=bk, k=k, part=n // splits,
+                          swap=cfg.get("swap", False)),
         out_shape=jax.ShapeDtypeStruct((r + pad, n), x.dtype),
         grid=(e, n // bn),
         compiler_params=plt.CompilerParams(num_warps=cfg["warps"], num_stages=cfg["stages"]),
         interpret=interpret,
         name="grouped_matmul",
-    )(offset, starts, xp, w)
+    )(offset, starts, xp, w, *(() if scale is None else (scale,)))
     return out[:r] if pad else out

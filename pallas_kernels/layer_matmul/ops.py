@@ -9,6 +9,9 @@ Backends:
   "reference" -> slice, then ``jnp.dot`` (reference.py).
   "pallas"    -> the Pallas Triton kernel compiled for the GPU (pallas_triton.py).
   "interpret" -> the same kernel body in interpret mode (any platform).
+
+An FP8 ``w`` (``scale`` given: block_fp8) stays FP8 in the kernel; the reference
+dequantises the layer's weight first.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from .reference import layer_matmul_reference
 BACKENDS = ("auto", "reference", "pallas", "interpret")
 
 
-def resolve(backend: str, x, w) -> str:
+def resolve(backend: str, x, w, scale=None) -> str:
     """The backend "auto" means for these operands, here."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; one of {BACKENDS}")
@@ -32,12 +35,13 @@ def resolve(backend: str, x, w) -> str:
     if default_backend.value == "reference" or _family(gpu_arch()) == "default" or not jax.sharding.get_abstract_mesh().empty:
         return "reference"
     cfg = layer_matmul_config()
-    return "pallas" if x.shape[0] <= cfg["max_rows"] and tiles_fit(x, w, cfg) else "reference"
+    return "pallas" if x.shape[0] <= cfg["max_rows"] and tiles_fit(x, w, cfg, scale) else "reference"
 
 
-def layer_matmul(x, w, layer, *, backend: str = "auto"):
-    """x [M, K] @ w[layer] for w [L, K, N] and a traced or static layer index."""
-    chosen = resolve(backend, x, w)
+def layer_matmul(x, w, layer, *, scale=None, backend: str = "auto"):
+    """x [M, K] @ w[layer] for w [L, K, N] and a traced or static layer index; an FP8
+    ``w`` (block_fp8) comes with its block scales [L, K/128, N/128]."""
+    chosen = resolve(backend, x, w, scale)
     if chosen == "reference":
-        return layer_matmul_reference(x, w, layer)
-    return layer_matmul_pallas(x, w, layer, interpret=chosen == "interpret")
+        return layer_matmul_reference(x, w, layer, scale)
+    return layer_matmul_pallas(x, w, layer, scale, interpret=chosen == "interpret")

@@ -9,6 +9,12 @@ Grid (column tile, K split). A program holds all M rows (M a power of two from 1
 wrapper pads) and streams its [K / splits, bn] slab of ``w[layer]`` once, bk rows at a
 time; splits > 1 give enough programs for narrow outputs (N / bn < the SM count), their
 float32 partial sums are added by XLA afterwards.
+
+FP8 weights (block_fp8: e4m3 with 128 x 128 block scales) stream as they are, half the
+bytes; a tile lies in one scale block, so it is widened to x's dtype in registers (e4m3
+is exact in bf16) and its float32 partial product is scaled by its block's scale.
+``swap`` in the config computes (w^T x^T)^T, as the grouped matmul can (its module says
+why).
 """
 from __future__ import annotations
 
@@ -20,10 +26,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from ..grouped_matmul.pallas_triton import tiles_fit  # same rule: one dtype, whole bk x bn
+from ..block_fp8 import BLOCK
+from ..grouped_matmul.pallas_triton import dot_f32, tiles_fit  # as the grouped matmul
 
 
-def _kernel(layer_ref, x_ref, w_ref, o_ref, *, bn, bk, k_split):
+def _kernel(layer_ref, x_ref, w_ref, *refs, bn, bk, k_split, swap):
+    s_ref, o_ref = refs if len(refs) == 2 else (None, refs[0])
     n0 = pl.program_id(0) * bn
     k_base = pl.program_id(1) * k_split
     layer = layer_ref[0]
@@ -32,11 +40,14 @@ def _kernel(layer_ref, x_ref, w_ref, o_ref, *, bn, bk, k_split):
         k0 = pl.multiple_of(k_base + j * bk, bk)
         xt = x_ref[:, pl.ds(k0, bk)]
         wt = w_ref[layer, pl.ds(k0, bk), pl.ds(n0, bn)]
-        return acc + jnp.dot(xt, wt, preferred_element_type=jnp.float32)
+        if s_ref is None:
+            return acc + dot_f32(xt, wt, swap)
+        return acc + dot_f32(xt, wt.astype(xt.dtype), swap) * s_ref[layer, k0 // BLOCK, n0 // BLOCK]
 
+    rows = x_ref.shape[0]
     acc = lax.fori_loop(0, k_split // bk, step,
-                        jnp.zeros((x_ref.shape[0], bn), jnp.float32))
-    o_ref[pl.program_id(1), :, pl.ds(n0, bn)] = acc.astype(o_ref.dtype)
+                        jnp.zeros((bn, rows) if swap else (rows, bn), jnp.float32))
+    o_ref[pl.program_id(1), :, pl.ds(n0, bn)] = (acc.T if swap else acc).astype(o_ref.dtype)
 
 
 def splits_for(n: int, k: int, cfg: dict) -> int:
@@ -48,12 +59,13 @@ def splits_for(n: int, k: int, cfg: dict) -> int:
     return splits
 
 
-def layer_matmul_pallas(x, w, layer, *, interpret=False, config=None):
-    """x [M, K], w [L, K, N] -> x @ w[layer] in x's dtype, float32 accumulation."""
+def layer_matmul_pallas(x, w, layer, scale=None, *, interpret=False, config=None):
+    """x [M, K], w [L, K, N] -> x @ w[layer] in x's dtype, float32 accumulation; an FP8
+    ``w`` comes with its block scales [L, K/128, N/128]."""
     from ..tuning import layer_matmul_config
 
     cfg = config or layer_matmul_config()
-    if not tiles_fit(x, w, cfg):
+    if not tiles_fit(x, w, cfg, scale):
         raise ValueError(f"layer matmul tiles {cfg['bk']} x {cfg['bn']} do not fit "
                          f"x {x.shape} {x.dtype}, w {w.shape} {w.dtype}")
     m, k = x.shape
@@ -62,13 +74,15 @@ def layer_matmul_pallas(x, w, layer, *, interpret=False, config=None):
     xp = jnp.pad(x, ((0, rows - m), (0, 0))) if rows != m else x
     splits = splits_for(n, k, cfg)
     out = pl.pallas_call(
-        functools.partial(_kernel, bn=cfg["bn"], bk=cfg["bk"], k_split=k // splits),
+        functools.partial(_kernel, bn=cfg["bn"], bk=cfg["bk"], k_split=k // splits,
+                          swap=cfg.get("swap", False)),
         out_shape=jax.ShapeDtypeStruct((splits, rows, n),
                                        x.dtype if splits == 1 else jnp.float32),
         grid=(n // cfg["bn"], splits),
         compiler_params=plt.CompilerParams(num_warps=cfg["warps"], num_stages=cfg["stages"]),
         interpret=interpret,
         name="layer_matmul",
-    )(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), xp, w)
+    )(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), xp, w,
+      *(() if scale is None else (scale,)))
     out = out[0] if splits == 1 else jnp.sum(out, axis=0).astype(x.dtype)
     return out[:m] if rows != m else out

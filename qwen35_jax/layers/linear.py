@@ -13,8 +13,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels.block_fp8 import dequantize
 from pallas_kernels.layer_matmul import layer_matmul
-from qwen35_jax.quant import dequantize_layer
 
 
 class Linear(nnx.Module):
@@ -23,16 +23,16 @@ class Linear(nnx.Module):
 
     def __call__(self, x, layer=None):
         """x [..., in]; ``layer``: the flat index into a stacked kernel's leading dimensions.
-        An FP8 kernel (``quant.quantize_model`` gave it a ``scale``) is dequantised to x's
-        dtype first, one layer's weight."""
+        An FP8 kernel (``quant.quantize_model`` gave it a ``scale``) goes to the matmul
+        with its block scales."""
         w = self.kernel[...]
-        if hasattr(self, "scale"):
-            if w.ndim > 2 and layer is None:
-                raise ValueError(f"a kernel stacked as {w.shape} needs the layer index")
-            return jnp.dot(x, dequantize_layer(w, self.scale[...], layer, x.dtype))
+        scale = self.scale[...] if hasattr(self, "scale") else None
         if w.ndim == 2:
-            return jnp.dot(x, w)
+            return jnp.dot(x, w if scale is None else dequantize(w, scale, x.dtype))
         if layer is None:
             raise ValueError(f"a kernel stacked as {w.shape} needs the layer index")
-        out = layer_matmul(x.reshape(-1, x.shape[-1]), w.reshape((-1,) + w.shape[-2:]), layer)
+        if scale is not None:
+            scale = scale.reshape((-1,) + scale.shape[-2:])
+        out = layer_matmul(x.reshape(-1, x.shape[-1]), w.reshape((-1,) + w.shape[-2:]), layer,
+                           scale=scale)
         return out.reshape(x.shape[:-1] + (w.shape[-1],))

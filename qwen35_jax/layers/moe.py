@@ -30,7 +30,6 @@ from jax.sharding import PartitionSpec as P
 from pallas_kernels.grouped_matmul import grouped_matmul
 from qwen35_jax.layers.linear import Linear
 from qwen35_jax.layers.mlp import MLP
-from qwen35_jax.quant import dequantize_layer
 from qwen35_jax.sharding import DATA, axis_size, expert_axes
 
 
@@ -61,35 +60,33 @@ class MoE(nnx.Module):
         w_gate_up, w_down = self.experts_gate_up[...], self.experts_down[...]
         if w_down.ndim > 3 and layer is None:
             raise ValueError(f"expert weights stacked as {w_down.shape} need the layer index")
-        expert_layer = layer
-        if hasattr(self, "experts_down_scale"):  # FP8 (quant.py): this layer's, dequantised
-            w_gate_up = dequantize_layer(w_gate_up, self.experts_gate_up_scale[...], layer,
-                                         x.dtype, core=3, splits=2)
-            w_down = dequantize_layer(w_down, self.experts_down_scale[...], layer, x.dtype,
-                                      core=3)
-            expert_layer = None
-        expert_layer = jnp.asarray(0 if expert_layer is None else expert_layer, jnp.int32)
+        # FP8 (quant.py): the block scales travel beside the weights, stacked alike
+        scales = ((self.experts_gate_up_scale[...], self.experts_down_scale[...])
+                  if hasattr(self, "experts_down_scale") else None)
+        expert_layer = jnp.asarray(0 if layer is None else layer, jnp.int32)
         mesh = jax.sharding.get_abstract_mesh()
         axes = () if mesh.empty else expert_axes(mesh, self.num_experts)
         if axis_size(mesh, axes) > 1:
             routed = _expert_parallel(mesh, axes, x, experts, weights, w_gate_up, w_down,
-                                      expert_layer)
+                                      scales, expert_layer)
         else:
-            routed = _local_experts(x, experts, weights, w_gate_up, w_down, 0, expert_layer)
+            routed = _local_experts(x, experts, weights, w_gate_up, w_down, scales, 0,
+                                    expert_layer)
         shared = (jax.nn.sigmoid(self.shared_expert_gate(x, layer))
                   * self.shared_expert(x, layer))
         return (routed + shared.astype(jnp.float32)).astype(x.dtype)
 
 
-def _local_experts(x, experts, weights, w_gate_up, w_down, first, layer):
+def _local_experts(x, experts, weights, w_gate_up, w_down, scales, first, layer):
     """Float32 [T, D] sum of the routed copies that go to experts ``first ..
     first + n_local - 1`` (the weights held here, [..., n_local, in, out], stacked
-    over layers in the leading dimensions; this is flat layer `layer`); other copies
-    contribute 0."""
+    over layers in the leading dimensions; this is flat layer `layer`; ``scales``: FP8
+    weights' block scales, stacked alike, or None); other copies contribute 0."""
     t, d = x.shape
     n_local, inter = w_down.shape[-3], w_down.shape[-2]
-    w_gate_up = w_gate_up.reshape((-1,) + w_gate_up.shape[-2:])
-    w_down = w_down.reshape((-1,) + w_down.shape[-2:])
+    flat = lambda a: a.reshape((-1,) + a.shape[-2:])  # noqa: E731
+    w_gate_up, w_down = flat(w_gate_up), flat(w_down)
+    s_gate_up, s_down = (None, None) if scales is None else map(flat, scales)
     offset = layer * n_local
     top_k = experts.shape[1]
     local = experts.reshape(-1) - first
@@ -98,9 +95,10 @@ def _local_experts(x, experts, weights, w_gate_up, w_down, first, layer):
     order = jnp.argsort(key, stable=True)
     token_of = order // top_k
     group_sizes = jnp.bincount(key, length=n_local + 1)[:n_local].astype(jnp.int32)
-    gate_up = grouped_matmul(x[token_of], w_gate_up, group_sizes, group_offset=offset)
+    gate_up = grouped_matmul(x[token_of], w_gate_up, group_sizes, group_offset=offset,
+                             scale=s_gate_up, splits=2)
     act = jax.nn.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-    out = grouped_matmul(act, w_down, group_sizes, group_offset=offset)
+    out = grouped_matmul(act, w_down, group_sizes, group_offset=offset, scale=s_down)
     # Combine by gathering each token's k copies back (the inverse permutation) and
     # summing them: a gather, ~7x cheaper on the GPU than a scatter-add of the sorted
     # copies into [T, D] (bench/RESULTS.md, MoE combine).
@@ -112,7 +110,7 @@ def _local_experts(x, experts, weights, w_gate_up, w_down, first, layer):
     return jnp.sum(copies, axis=1)
 
 
-def _expert_parallel(mesh, axes, x, experts, weights, w_gate_up, w_down, layer):
+def _expert_parallel(mesh, axes, x, experts, weights, w_gate_up, w_down, scales, layer):
     """``_local_experts`` on each expert shard, summed over the expert axes.
 
     Tokens stay split along ``data`` (each data shard routes its own tokens) and are
@@ -124,14 +122,17 @@ def _expert_parallel(mesh, axes, x, experts, weights, w_gate_up, w_down, layer):
     n_local = w_down.shape[-3] // axis_size(mesh, axes)
     split = P(*(None,) * (w_down.ndim - 3), axes)  # the expert dimension, after the stack's
 
-    def body(x, experts, weights, w_gate_up, w_down, layer):
+    def body(x, experts, weights, w_gate_up, w_down, scales, layer):
         first = jax.lax.axis_index(axes) * n_local
         return jax.lax.psum(
-            _local_experts(x, experts, weights, w_gate_up, w_down, first, layer), axes)
+            _local_experts(x, experts, weights, w_gate_up, w_down, scales, first, layer),
+            axes)
 
     # No check_vma: the grouped matmul is a Pallas call, whose output types carry no
     # mesh-axis variance (jax 0.11 refuses them inside a checked shard_map), as in
     # `sharding.per_device`; the psum makes the result the same on every expert shard.
-    return jax.shard_map(body, mesh=mesh, in_specs=(rows, rows, rows, split, split, P()),
+    scale_spec = None if scales is None else (split, split)
+    return jax.shard_map(body, mesh=mesh,
+                         in_specs=(rows, rows, rows, split, split, scale_spec, P()),
                          out_specs=rows, check_vma=False)(x, experts, weights, w_gate_up,
-                                                          w_down, layer)
+                                                          w_down, scales, layer)
