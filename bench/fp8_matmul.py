@@ -39,11 +39,10 @@ E, TOP_K = gmm_bench.E, gmm_bench.TOP_K
 DENSE_ROWS = (16, 64, 128, 256)
 EXPERT_ROWS = {"decode16": 16 * TOP_K, "decode64": 64 * TOP_K, "decode128": 128 * TOP_K,
                "decode256": 256 * TOP_K, "prefill8192": 8192 * TOP_K}
-SWEEP = [dict(bn=bn, bk=bk, stages=st, warps=4, min_programs=132, max_rows=256, swap=sw)
-         for bn, bk, st, sw in ((64, 128, 3, False), (64, 64, 3, True), (64, 128, 3, True),
-                                (128, 64, 3, True))]
-EXPERT_SWEEP = [dict(bm=16, bn=bn, bk=bk, warps=4, stages=st, swap=sw) for bn, bk, st, sw in (
-    (128, 64, 3, True), (128, 128, 3, True), (64, 128, 3, True), (64, 64, 3, True))]
+SWEEP = [dict(bn=bn, bk=bk, stages=st, warps=4, min_programs=132, max_rows=256)
+         for bn, bk, st in ((64, 128, 3), (128, 128, 3), (64, 128, 4), (128, 64, 3))]
+EXPERT_SWEEP = [dict(bm=16, bn=bn, bk=bk, warps=4, stages=st) for bn, bk, st in (
+    (128, 128, 3), (64, 128, 3), (128, 128, 4), (128, 64, 4), (64, 64, 3))]
 
 
 def _fp8(w, splits=1):
@@ -99,8 +98,7 @@ def dense_timings(ceil, sweep) -> list[dict]:
                     ("fp8", lambda x, w_, s_, i: layer_matmul(x, w_, i, scale=s_,
                                                               backend="pallas"), (q, s))]
         for cfg in (SWEEP if sweep else ()):
-            variants.append(("fp8 bn{bn} bk{bk} st{stages}{}".format(
-                " swap" if cfg["swap"] else "", **cfg),
+            variants.append(("fp8 bn{bn} bk{bk} st{stages}".format(**cfg),
                              lambda x, w_, s_, i, cfg=cfg: layer_matmul_pallas(
                                  x, w_, i, s_, config=cfg), (q, s)))
         floor = {"bf16": k * n * 2 / ceil["read_bytes_per_s"],
@@ -154,8 +152,7 @@ def expert_timings(rng, ceil, sweep) -> list[dict]:
                        fp8=seconds_per_call(fp8, x, q, s, sizes) * 1e3,
                        **{f"floor_{v}_ms": f * 1e3 for v, f in floor.items()})
             for cfg in (EXPERT_SWEEP if sweep and row["backend"] == "pallas" else ()):
-                name = "fp8 bn{bn} bk{bk} st{stages}{}".format(" swap" if cfg["swap"] else "",
-                                                               **cfg)
+                name = "fp8 bn{bn} bk{bk} st{stages}".format(**cfg)
                 fn = jax.jit(lambda a, b, c, g, cfg=cfg: grouped_matmul_pallas(
                     a, b, g, E, c, splits, config=cfg))
                 row[name] = seconds_per_call(fn, x, q, s, sizes) * 1e3

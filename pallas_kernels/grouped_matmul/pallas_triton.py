@@ -31,14 +31,7 @@ from jax.experimental.pallas import triton as plt
 from ..block_fp8 import BLOCK, column_block, is_fp8, tile_fits
 
 
-def dot_f32(x, w, swap: bool):
-    """float32 x @ w, or with ``swap`` w^T x^T: the accumulator kept transposed."""
-    if swap:
-        return jnp.dot(w.T, x.T, preferred_element_type=jnp.float32)
-    return jnp.dot(x, w, preferred_element_type=jnp.float32)
-
-
-def _kernel(off_ref, starts_ref, x_ref, w_ref, *refs, bm, bn, bk, k, part, swap):
+def _kernel(off_ref, starts_ref, x_ref, w_ref, *refs, bm, bn, bk, k, part):
     s_ref, o_ref = refs if len(refs) == 2 else (None, refs[0])
     e = pl.program_id(0)
     n0 = pl.program_id(1) * bn
@@ -47,7 +40,6 @@ def _kernel(off_ref, starts_ref, x_ref, w_ref, *refs, bm, bn, bk, k, part, swap)
     end = starts_ref[e + 1]
     row = lax.broadcasted_iota(jnp.int32, (bm, bk), 0)
     out_row = lax.broadcasted_iota(jnp.int32, (bm, bn), 0)
-    acc_shape = (bn, bm) if swap else (bm, bn)
 
     def row_tile(i, carry):
         r0 = start + i * bm
@@ -58,12 +50,11 @@ def _kernel(off_ref, starts_ref, x_ref, w_ref, *refs, bm, bn, bk, k, part, swap)
             xt = plt.load(x_ref.at[pl.ds(r0, bm), pl.ds(k0, bk)], mask=live, other=0.0)
             wt = w_ref[g, pl.ds(k0, bk), pl.ds(n0, bn)]
             if s_ref is None:
-                return acc + dot_f32(xt, wt, swap)
-            return acc + (dot_f32(xt, wt.astype(xt.dtype), swap)
-                          * s_ref[g, k0 // BLOCK, column_block(n0, part)])
+                return acc + jnp.dot(xt, wt, preferred_element_type=jnp.float32)
+            prod = jnp.dot(xt, wt.astype(xt.dtype), preferred_element_type=jnp.float32)
+            return acc + prod * s_ref[g, k0 // BLOCK, column_block(n0, part)]
 
-        acc = lax.fori_loop(0, k // bk, k_step, jnp.zeros(acc_shape, jnp.float32))
-        acc = acc.T if swap else acc
+        acc = lax.fori_loop(0, k // bk, k_step, jnp.zeros((bm, bn), jnp.float32))
         plt.store(o_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)], acc.astype(o_ref.dtype),
                   mask=out_row < end - r0)
         return carry
@@ -102,8 +93,7 @@ def grouped_matmul_pallas(x, w, group_sizes, group_offset=0, scale=None, splits:
     pad = bm if interpret else max(0, bm - r)  # a row tile never spans more than the array
     xp = jnp.pad(x, ((0, pad), (0, 0))) if pad else x
     out = pl.pallas_call(
-        functools.partial(_kernel, bm=bm, bn=bn, bk=bk, k=k, part=n // splits,
-                          swap=cfg.get("swap", False)),
+        functools.partial(_kernel, bm=bm, bn=bn, bk=bk, k=k, part=n // splits),
         out_shape=jax.ShapeDtypeStruct((r + pad, n), x.dtype),
         grid=(e, n // bn),
         compiler_params=plt.CompilerParams(num_warps=cfg["warps"], num_stages=cfg["stages"]),

@@ -13,8 +13,6 @@ float32 partial sums are added by XLA afterwards.
 FP8 weights (block_fp8: e4m3 with 128 x 128 block scales) stream as they are, half the
 bytes; a tile lies in one scale block, so it is widened to x's dtype in registers (e4m3
 is exact in bf16) and its float32 partial product is scaled by its block's scale.
-``swap`` in the config computes (w^T x^T)^T, as the grouped matmul can (its module says
-why).
 """
 from __future__ import annotations
 
@@ -27,10 +25,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from ..block_fp8 import BLOCK
-from ..grouped_matmul.pallas_triton import dot_f32, tiles_fit  # as the grouped matmul
+from ..grouped_matmul.pallas_triton import tiles_fit  # same rule as the grouped matmul
 
 
-def _kernel(layer_ref, x_ref, w_ref, *refs, bn, bk, k_split, swap):
+def _kernel(layer_ref, x_ref, w_ref, *refs, bn, bk, k_split):
     s_ref, o_ref = refs if len(refs) == 2 else (None, refs[0])
     n0 = pl.program_id(0) * bn
     k_base = pl.program_id(1) * k_split
@@ -41,13 +39,13 @@ def _kernel(layer_ref, x_ref, w_ref, *refs, bn, bk, k_split, swap):
         xt = x_ref[:, pl.ds(k0, bk)]
         wt = w_ref[layer, pl.ds(k0, bk), pl.ds(n0, bn)]
         if s_ref is None:
-            return acc + dot_f32(xt, wt, swap)
-        return acc + dot_f32(xt, wt.astype(xt.dtype), swap) * s_ref[layer, k0 // BLOCK, n0 // BLOCK]
+            return acc + jnp.dot(xt, wt, preferred_element_type=jnp.float32)
+        part = jnp.dot(xt, wt.astype(xt.dtype), preferred_element_type=jnp.float32)
+        return acc + part * s_ref[layer, k0 // BLOCK, n0 // BLOCK]
 
-    rows = x_ref.shape[0]
     acc = lax.fori_loop(0, k_split // bk, step,
-                        jnp.zeros((bn, rows) if swap else (rows, bn), jnp.float32))
-    o_ref[pl.program_id(1), :, pl.ds(n0, bn)] = (acc.T if swap else acc).astype(o_ref.dtype)
+                        jnp.zeros((x_ref.shape[0], bn), jnp.float32))
+    o_ref[pl.program_id(1), :, pl.ds(n0, bn)] = acc.astype(o_ref.dtype)
 
 
 def splits_for(n: int, k: int, cfg: dict) -> int:
@@ -74,8 +72,7 @@ def layer_matmul_pallas(x, w, layer, scale=None, *, interpret=False, config=None
     xp = jnp.pad(x, ((0, rows - m), (0, 0))) if rows != m else x
     splits = splits_for(n, k, cfg)
     out = pl.pallas_call(
-        functools.partial(_kernel, bn=cfg["bn"], bk=cfg["bk"], k_split=k // splits,
-                          swap=cfg.get("swap", False)),
+        functools.partial(_kernel, bn=cfg["bn"], bk=cfg["bk"], k_split=k // splits),
         out_shape=jax.ShapeDtypeStruct((splits, rows, n),
                                        x.dtype if splits == 1 else jnp.float32),
         grid=(n // cfg["bn"], splits),
