@@ -10,7 +10,8 @@ prompts: all at once in arrival order, then in ``--orders`` shuffled orders (req
 reach a prefill worker through the router, not strictly in order). Prints the hit
 rate (cached prompt tokens over prompt tokens, as vllm:prefix_cache_hits_total over
 queries) beside the most this load allows: every prompt but the first of each prefix
-hitting all the full blocks of its prefix.
+hitting all the full blocks of its prefix; and the engine step by which the median and
+the 90th-percentile request had its first token (what TTFT counts in steps).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "tests"))
 
+import numpy as np  # noqa: E402
 from test_engine_fake_model import FakeBatch, FakeCache, FakeModel  # noqa: E402
 
 from bench.load import prefix_dataset  # noqa: E402
@@ -48,7 +50,8 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def hit_rate(args, prompts) -> float:
+def hit_rate(args, prompts) -> tuple[float, float, float]:
+    """(hit rate, step of the median request's first token, of the 90th percentile's)."""
     cfg = EngineConfig(
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.input_len + 16, block_size=args.block_size,
@@ -62,9 +65,15 @@ def hit_rate(args, prompts) -> float:
                                                          cfg.num_state_rows),
                     cfg, batch_type=FakeBatch)
     try:
-        engine.generate(prompts, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+        params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+        for p in prompts:
+            engine.add_request(p, params)
+        first = []  # per request, the steps run when its (only) token came out
+        while engine.has_unfinished():
+            first += [engine.stats["steps"]] * sum(o.finished for o in engine.step())
         m = engine.metrics()
-        return m["prefix_cache_hits"] / m["prefix_cache_queries"]
+        return (m["prefix_cache_hits"] / m["prefix_cache_queries"], float(np.median(first)),
+                float(np.percentile(first, 90)))
     finally:
         engine.close()
 
@@ -78,11 +87,15 @@ def main(argv=None) -> None:
     best = (len(prompts) - min(args.num_prefixes, len(prompts))) * shared / (
         len(prompts) * args.input_len)
     print(f"most this load allows: {best:.2%}")
-    print(f"in arrival order: {hit_rate(args, prompts):.2%}")
+    orders = [("in arrival order", prompts)]
     for seed in range(1, args.orders + 1):
         order = list(range(len(prompts)))
         random.Random(seed).shuffle(order)
-        print(f"shuffled (seed {seed}): {hit_rate(args, [prompts[i] for i in order]):.2%}")
+        orders.append((f"shuffled (seed {seed})", [prompts[i] for i in order]))
+    for name, ps in orders:
+        rate, median, p90 = hit_rate(args, ps)
+        print(f"{name}: {rate:.2%} hit rate; first token by step {median:g} (median), "
+              f"{p90:g} (p90)")
 
 
 if __name__ == "__main__":

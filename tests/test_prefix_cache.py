@@ -221,9 +221,13 @@ def test_the_burst_bench_reaches_the_most_its_load_allows(capsys):
                       "--max-num-batched-tokens", "128", "--prefill-seq-buckets", "2,8",
                       "--prefix-state-interval", "8", "--num-prefix-snapshots", "64",
                       "--orders", "2"])
-    rates = [float(line.rsplit(" ", 1)[1].rstrip("%")) for line in
-             capsys.readouterr().out.splitlines()
+    lines = [line for line in capsys.readouterr().out.splitlines()
              if line.startswith(("most", "in arrival", "shuffled"))]
+    rates = [float(line.split(": ")[1].split("%")[0]) for line in lines]
+    steps = [float(line.split("by step ")[1].split(" ")[0]) for line in lines[1:]]
     most, in_order, *shuffled = rates
     assert len(shuffled) == 2 and in_order == most, rates
     assert all(most - 5 < r <= most for r in shuffled), rates
+    # 4 whole prompts and 20 suffixes of ~13 tokens, 128 tokens a step: the median request
+    # has its token after the 4 whole prompts and some suffixes (an output lags a step)
+    assert all(5 <= s <= 8 for s in steps), steps
