@@ -31,6 +31,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 
 from serving.engine import Engine, RequestOutput, SamplingParams
+from serving.engine.connector import EngineConnector
 from serving.errors import EngineDead, EngineOverloaded
 
 log = logging.getLogger(__name__)
@@ -70,19 +71,15 @@ class RequestStream:
 
 class AsyncEngine:
     def __init__(self, engine: Engine, *, max_queued_requests: int = 1024,
-                 tick: Callable[[Engine], None] | None = None,
-                 on_stop: Callable[[BaseException], None] | None = None):
-        """`tick(engine)` runs on the engine thread before every iteration, and
-        on an idle engine whenever `wake()` is called (the disaggregated worker
-        collects transfer completions there, woken by its transfer progress
-        thread). `on_stop(error)` runs on the engine thread when it stops, after
-        every stream and pending command has been failed with `error`: for waiters
-        of the owner's own that only the engine thread would resolve."""
+                 connector: EngineConnector | None = None):
+        """`connector` (serving/engine/connector.py): how requests enter the engine, what
+        runs between steps (a disaggregated worker's transfers; an idle engine ticks
+        whenever `wake()` is called) and what ends when the loop stops."""
         self.engine = engine
         self.max_queued_requests = max_queued_requests
         self.max_model_len = engine.config.max_model_len
         self.max_logprobs = engine.config.max_logprobs
-        self._tick, self._on_stop = tick, on_stop
+        self.connector = connector or EngineConnector()
         self._inbox: deque = deque()
         self._wake = threading.Event()
         self._stopping = False
@@ -99,12 +96,10 @@ class AsyncEngine:
     # ---- the asyncio side ------------------------------------------------
 
     async def add(self, request_id: str, prompt_token_ids: list[int],
-                  params: SamplingParams, *,
-                  submit: Callable[[Engine], object] | None = None) -> RequestStream:
-        """Queue a request and wait until the engine accepts it. Raises
-        ValueError (bad request, from the engine's checks), EngineOverloaded
-        or EngineDead. `submit(engine)` replaces the plain `add_request` (the
-        workers add held or remotely filled requests); it raises to refuse."""
+                  params: SamplingParams, **admit) -> RequestStream:
+        """Queue a request and wait until the engine accepts it (through the connector's
+        `admit`, which gets the keyword arguments `admit`). Raises ValueError (bad
+        request, from the engine's checks), EngineOverloaded or EngineDead."""
         self.check_health()
         if self.num_queued() >= self.max_queued_requests:
             raise EngineOverloaded(f"{self.num_queued()} requests are queued "
@@ -113,10 +108,8 @@ class AsyncEngine:
         stream = RequestStream(self, request_id)
         admitted = loop.create_future()
         self._submitted += 1
-        if submit is None:
-            prompt = list(prompt_token_ids)
-            submit = lambda engine: engine.add_request(prompt, params, request_id)  # noqa: E731
-        self._send(("add", request_id, submit, stream, admitted, loop))
+        prompt = list(prompt_token_ids)
+        self._send(("add", request_id, (prompt, params, admit), stream, admitted, loop))
         if self.error is not None:  # the thread died and may have drained the inbox already
             _settle(admitted, EngineDead(f"engine stopped: {self.error!r}"))
         try:
@@ -191,8 +184,7 @@ class AsyncEngine:
             while not self._stopping:
                 self._wake.clear()  # before the tick: a wake() during it is not lost
                 self._apply_commands()
-                if self._tick is not None:
-                    self._tick(self.engine)
+                self.connector.tick(self.engine)
                 self._stats = self._snapshot()
                 if self.engine.has_steps():
                     self._deliver(self.engine.step())
@@ -211,8 +203,7 @@ class AsyncEngine:
             self.error = EngineDead("engine shut down")
         stopped = EngineDead(f"engine stopped: {self.error!r}")
         self._fail_all(stopped)
-        if self._on_stop is not None:
-            self._on_stop(stopped)
+        self.connector.on_stop(stopped)
 
     def _apply_commands(self) -> None:
         while self._inbox:
@@ -224,9 +215,10 @@ class AsyncEngine:
             else:
                 self._apply_abort(command[1])
 
-    def _apply_add(self, request_id, submit, stream, admitted, loop) -> None:
+    def _apply_add(self, request_id, request, stream, admitted, loop) -> None:
+        prompt, params, admit = request
         try:
-            submit(self.engine)
+            self.connector.admit(self.engine, request_id, prompt, params, **admit)
         except Exception as e:  # noqa: BLE001 -- a bad request must not stop the loop
             loop.call_soon_threadsafe(_settle, admitted, e)
         else:

@@ -35,6 +35,8 @@ from host_devices import child_result, start_child
 MODEL_MESHES = {
     "tiny": ["dp2", "tp2", "dp2,tp2"],
     "tiny-moe": ["dp2", "ep2", "ep4", "tp2", "dp2,ep2", "ep2,tp2"],
+    # FP8 weights (--quantization fp8): block scales beside the split experts and kernels
+    "tiny-moe:fp8": ["ep2,tp2"],
 }
 # Heads split (TP2, as the sharded workers run on two GPUs) beside the expert split, and
 # TP4, where
@@ -208,7 +210,12 @@ def _forward_child(name: str, meshes: list[str], backend: str = "auto") -> None:
     from qwen35_jax import sharding as S
     from qwen35_jax.cache import HybridCache, SequenceCache
 
-    cfg = qwen35_jax.get_preset(name)
+    from qwen35_jax import quant
+
+    preset, _, quantization = name.partition(":")
+    cfg = qwen35_jax.get_preset(preset)
+    if quantization == "fp8":
+        cfg = cfg.replace(fp8_modules=quant.applicable(quant.DEFAULT, cfg.is_moe))
     ids = jax.random.randint(jax.random.key(1), (2, 12), 0, cfg.vocab_size)
 
     def run(model, ids, cache):

@@ -10,6 +10,7 @@ import pytest
 from test_engine_fake_model import FakeBatch, FakeCache, FakeModel, reference_next
 
 from serving.async_engine import AsyncEngine
+from serving.engine.connector import EngineConnector
 from serving.engine import Engine, EngineConfig, SamplingParams
 from serving.engine.buckets import Buckets
 from serving.errors import EngineDead, EngineOverloaded, TransferFailed
@@ -107,9 +108,9 @@ def test_failed_pull_frees_the_request_at_once(landed):
     error and returns its blocks and slot: it never decodes from unwritten memory."""
     eng, rid, w, confirmed = _with_a_pull(7)
     w.transfer.landed_ids = [7] if landed else []
-    w._tick(eng)  # the READ landed (or not yet)
+    w.tick(eng)  # the READ landed (or not yet)
     w.transfer.completions = [Completion(7, "lease", TransferError("error", "injected"), 0, 0, 0.0)]
-    w._tick(eng)
+    w.tick(eng)
     assert w.failed == [rid] and confirmed[0][0] == rid
     assert isinstance(confirmed[0][1], TransferFailed)
     assert rid not in eng.requests and not eng.has_unfinished()
@@ -125,11 +126,11 @@ def test_failed_pull_whose_read_runs_on_holds_its_memory_until_the_read_ends():
     eng, rid, w, confirmed = _with_a_pull(7)
     w.transfer.completions = [
         Completion(7, "lease", TransferError("timeout", "deadline"), 0, 0, 0.0, settled=False)]
-    w._tick(eng)
+    w.tick(eng)
     assert w.failed == [rid] and isinstance(confirmed[0][1], TransferFailed)
     for settled, freed in (([], False), ([7], True)):  # still in flight, then ended
         w.transfer.settled_ids = settled
-        w._tick(eng)
+        w.tick(eng)
         eng.fence.wait_all()
         assert (eng.blocks.num_free == NUM_BLOCKS) == freed
         assert (eng.slots.num_free == SLOTS) == freed
@@ -152,7 +153,7 @@ def test_recompute_does_not_wait_for_a_read_that_runs_on():
     old_blocks, old_slot = list(eng.requests[rid].block_ids), eng.requests[rid].slot
     w.transfer.completions = [
         Completion(7, "lease", TransferError("timeout", "deadline"), 0, 0, 0.0, settled=False)]
-    w._tick(eng)
+    w.tick(eng)
     assert w.failed == [] and confirmed == [(rid, None)] and 7 in w._draining
     late_read = jax.jit(lambda c: type(c)(c.kv.at[np.asarray(old_blocks)].set(-5),
                                           c.ssm.at[old_slot].set(-5)), donate_argnums=0)
@@ -164,13 +165,13 @@ def test_recompute_does_not_wait_for_a_read_that_runs_on():
             used |= set(eng.requests[rid].block_ids) | {eng.requests[rid].slot + 1000}
         eng.runner.cache = late_read(eng.runner.cache)  # its bytes keep landing
         done.update({o.request_id: o for o in eng.step() if o.finished})
-        w._tick(eng)
+        w.tick(eng)
     assert done[rid].token_ids == reference_greedy(prompt, 8, VOCAB)
     assert not used & (set(old_blocks) | {old_slot + 1000})
     eng.fence.wait_all()
     assert eng.blocks.num_free == NUM_BLOCKS - len(old_blocks) and eng.slots.num_free == SLOTS - 1
     w.transfer.settled_ids = [7]  # the READ ended
-    w._tick(eng)
+    w.tick(eng)
     eng.fence.wait_all()
     assert eng.blocks.num_free == NUM_BLOCKS and eng.slots.num_free == SLOTS and not w._draining
     eng.close()
@@ -188,7 +189,7 @@ def _serving_decode_worker(claim, max_queued=1024):
     eng = _engine()
     transfers = Transfers(claim)
     w = _decode_worker(eng, transfers)
-    w.engine = AsyncEngine(eng, max_queued_requests=max_queued, tick=w._tick, on_stop=w._on_stop)
+    w.engine = AsyncEngine(eng, max_queued_requests=max_queued, connector=w)
     return eng, w, transfers
 
 
@@ -327,7 +328,9 @@ def test_confirmation_wait_ends_when_the_engine_dies():
     async def run():
         fut = asyncio.get_running_loop().create_future()
         w._confirmations["r"] = (fut, asyncio.get_running_loop())
-        aeng = AsyncEngine(eng, on_stop=w._on_stop)
+        plain = EngineConnector()  # admits a local request (whose step dies) ...
+        plain.on_stop = w.on_stop  # ... and stops as the decode worker does
+        aeng = AsyncEngine(eng, connector=plain)
         try:
             await aeng.add("x", [1, 2, 3], SamplingParams(max_tokens=2))  # its step dies
         except EngineDead:

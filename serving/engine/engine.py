@@ -52,13 +52,14 @@ log = logging.getLogger(__name__)
 
 
 class Reservation(NamedTuple):
-    """Memory of a remote request for its transfer: its blocks and slot. The first
-    `shared_blocks` blocks hold the start of its prompt already (prefix-cache blocks,
-    shared read-only): the transfer must skip them."""
+    """Memory of a remote request for its transfer: its blocks and slot, for a prompt of
+    `num_prompt_tokens`. The first `shared_blocks` blocks hold the start of its prompt
+    already (prefix-cache blocks, shared read-only): the transfer must skip them."""
     request_id: str
     block_ids: list[int]
     slot: int
     shared_blocks: int
+    num_prompt_tokens: int
 
 
 class Engine:
@@ -158,7 +159,8 @@ class Engine:
     def reserve_transfers(self) -> list[Reservation]:
         """The memory reserved now for queued remote requests, in arrival order, for their
         transfers to fill (all but the first `shared_blocks` blocks: see `Reservation`)."""
-        return [Reservation(r.request_id, list(r.block_ids), r.slot, r.num_registered_blocks)
+        return [Reservation(r.request_id, list(r.block_ids), r.slot, r.num_registered_blocks,
+                            r.num_prompt_tokens)
                 for r in self.scheduler.reserve_transfers()]
 
     def finish_transfer(self, request_id: str, ok: bool = True) -> None:
@@ -194,6 +196,29 @@ class Engine:
         """End the hold on a finished request's memory (`hold_on_finish`)."""
         req = self.requests.pop(request_id)
         self.scheduler.release(req)
+
+    def held_memory(self, request_id: str) -> tuple[list[int], int]:
+        """The blocks and slot a finished request holds (`hold_on_finish`): what a lease
+        pins for a transfer to read."""
+        req = self.requests[request_id]
+        if not (req.is_finished and req.hold_on_finish):
+            raise ValueError(f"request {request_id} holds no finished request's memory")
+        return list(req.block_ids), req.slot
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether the engine knows the request: unfinished, or finished and held."""
+        return request_id in self.requests
+
+    def discard(self, request_id: str) -> None:
+        """End a request, whatever its state, and its hold: for a held request whose
+        caller went away before anyone took its memory. Unknown ids are ignored."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return
+        if not req.is_finished:
+            self.abort(request_id)
+        if request_id in self.requests:
+            self.release(request_id)
 
     def swap_cache(self, cache) -> None:
         """Run the same compiled programs on another cache of the same shapes and dtypes

@@ -27,6 +27,7 @@ from serving.bucket_counts import (TRANSFER_BYTES, TRANSFER_DESCRIPTORS, TRANSFE
                                    BucketCounts)
 from serving.engine import Engine, EngineConfig
 from serving.engine.capacity import cache_dtype, plan_capacity
+from serving.engine.connector import EngineConnector
 from serving.kv_transfer import allocate_registered_cache, compat_record
 from serving.llm import model_config
 from transfer import Agent, FaultyAgent, ProgressThread, TransferManager, free_bytes
@@ -41,9 +42,11 @@ def prompt_digest(prompt: list[int], first_token: int) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-class WorkerBase:
-    """The engine, cache regions, agent and transfer manager of one role's worker; the
-    subclasses add what their role does (``PrefillWorker``, ``DecodeWorker``)."""
+class WorkerBase(EngineConnector):
+    """The engine, cache regions, agent and transfer manager of one role's worker, and
+    the engine loop's connector (serving/engine/connector.py): the subclasses add what
+    their role does (``PrefillWorker``, ``DecodeWorker``): how a request is admitted, what
+    the loop's tick does with the transfers."""
 
     role: str
 
@@ -93,15 +96,8 @@ class WorkerBase:
                                     "transfer_size": BucketCounts(TRANSFER_BYTES),
                                     "transfer_descs": BucketCounts(TRANSFER_DESCRIPTORS)}
         self.engine = AsyncEngine(engine, max_queued_requests=max_queued_requests,
-                                  tick=self._tick, on_stop=self._on_stop)
+                                  connector=self)
         self.progress = ProgressThread(self.transfer, on_ready=self.engine.wake)
-
-    def _tick(self, eng: Engine) -> None:
-        """Between steps, on the engine thread: apply what the transfers handed back."""
-        raise NotImplementedError
-
-    def _on_stop(self, error: BaseException) -> None:
-        """The engine thread stopped (engine thread): end what only it would have ended."""
 
     def _settle(self, eng: Engine) -> None:
         """Before NIXL touches the cache: on a mesh, wait until every device has finished

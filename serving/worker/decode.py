@@ -11,11 +11,11 @@ A request's way through (``DecodeWorker``):
    loop nor the engine thread waits on a socket. The claim presents the digest of this
    request's prompt and first token, so the source grants only the lease that holds this
    request's state, and answers what it pins.
-2. ``_admit`` (engine thread): the engine queues the request for memory
+2. ``admit`` (engine thread, the loop's connector call): the engine queues the request for memory
    (``Engine.add_remote_request``); a decode side that is full queues requests (bounded
    by ``--max-queued-requests``) instead of refusing them, and the claim keeps the lease
    alive meanwhile.
-3. ``_tick`` (engine thread, between steps): memory reserved for a queued request starts
+3. ``tick`` (engine thread, between steps): memory reserved for a queued request starts
    its pull, READing exactly the claimed items (``kv_transfer.pull_items``) but the
    prompt blocks this side's prefix cache holds (a follow-up turn pulls only what is
    new, and the state); a landed READ lets the request decode, and its outputs wait
@@ -101,9 +101,7 @@ class DecodeWorker(WorkerBase):
         self._claims[request_id] = claim
         params = req.params.params()
         try:
-            stream = await self.engine.add(
-                request_id, prompt, params,
-                submit=lambda eng: self._admit(eng, request_id, prompt, first_token, params))
+            stream = await self.engine.add(request_id, prompt, params, first_token=first_token)
         except BaseException:
             # Refused, or the engine died before admitting it: the claim is still ours. A
             # request admitted before its caller went away is aborted by the engine's
@@ -115,14 +113,14 @@ class DecodeWorker(WorkerBase):
             raise
         return stream, confirmed
 
-    def _admit(self, eng, request_id, prompt, first_token, params) -> None:
+    def admit(self, eng, request_id, prompt, params, *, first_token: int) -> None:
         """Queue the request for memory (engine thread); ValueError refuses it."""
         if request_id not in self._claims:  # its caller went away before it was admitted
             raise ValueError(f"request {request_id} was withdrawn")
         eng.add_remote_request(prompt, first_token, params, request_id)
         self._queued.add(request_id)
 
-    def _on_stop(self, error: BaseException) -> None:
+    def on_stop(self, error: BaseException) -> None:
         """No pull will be confirmed, and no claim pulled: end them (engine thread)."""
         for request_id in list(self._confirmations):
             self._confirm(request_id, error)
@@ -156,14 +154,13 @@ class DecodeWorker(WorkerBase):
     def _start_pulls(self, eng) -> None:
         """Pulls into the memory reserved for queued requests now; claims of queued
         requests that were aborted meanwhile are given up."""
-        for request_id, blocks, slot, shared in eng.reserve_transfers():
+        for request_id, blocks, slot, shared, n in eng.reserve_transfers():
             self._queued.discard(request_id)
             claim = self._claims.pop(request_id, None)
             if claim is None:  # its caller went away: the abort follows
                 eng.abort(request_id)
                 eng.finish_transfer(request_id, ok=False)
                 continue
-            n = len(eng.requests[request_id].prompt_token_ids)
             try:
                 remote, local = pull_items(claim.meta.get("cache"), self.layout, blocks, slot, n,
                                            skip_blocks=shared)
@@ -177,14 +174,14 @@ class DecodeWorker(WorkerBase):
                 continue
             self._pulls[pull_id] = request_id
             self.counters["transfer_cached_tokens"] += shared * self.layout.block_size
-        for request_id in [r for r in self._queued if r not in eng.requests]:  # aborted
+        for request_id in [r for r in self._queued if not eng.has_request(r)]:  # aborted
             self._queued.discard(request_id)
             claim = self._claims.pop(request_id, None)
             if claim is not None:
                 self.transfer.release(claim)
             self._confirm(request_id, TransferFailed("aborted while waiting for memory"))
 
-    def _tick(self, eng) -> None:
+    def tick(self, eng) -> None:
         """Between steps, on the engine thread: apply what the transfers handed back, then
         start the pulls that memory is free for."""
         completions = self.transfer.collect()

@@ -33,19 +33,16 @@ class PrefillWorker(WorkerBase):
         request_id, prompt, params = req.request_id, list(req.prompt_token_ids), req.params.params()
         first = dataclasses.replace(params, max_tokens=1)
         try:
-            stream = await self.engine.add(
-                request_id, prompt, first,
-                submit=lambda eng: eng.add_request(prompt, first, request_id,
-                                                   hold_on_finish=True))
+            stream = await self.engine.add(request_id, prompt, first)
         except asyncio.CancelledError:  # admitted or not: no one would release its hold
-            await self.engine.call(lambda eng: _release_quietly(eng, request_id))
+            await self.engine.call(lambda eng: eng.discard(request_id))
             raise
         out = None
         try:
             async for out in stream:
                 pass
         except BaseException:
-            await self.engine.call(lambda eng: _release_quietly(eng, request_id))
+            await self.engine.call(lambda eng: eng.discard(request_id))
             raise
         goes_on = out.finish_reason == "length" and params.max_tokens > 1
         ticket = None
@@ -60,10 +57,14 @@ class PrefillWorker(WorkerBase):
                              num_cached_tokens=out.num_cached_tokens,
                              queue_seconds=out.metrics.get("queue_s", 0.0))
 
+    def admit(self, eng, request_id, prompt, params) -> None:
+        """A prompt to compute: its memory is held when it finishes, for a lease."""
+        eng.add_request(prompt, params, request_id, hold_on_finish=True)
+
     def _pin(self, eng, request_id: str, prompt: list[int], first_token: int) -> Ticket:
-        req = eng.requests[request_id]
+        blocks, slot = eng.held_memory(request_id)
         n = len(prompt)
-        items = self.layout.items(req.block_ids, req.slot, n)
+        items = self.layout.items(blocks, slot, n)
 
         def on_free(lease: str, reason: str) -> None:
             if reason == "expired":
@@ -76,7 +77,7 @@ class PrefillWorker(WorkerBase):
             self._settle(eng)
             return self.transfer.pin(
                 items, on_free=on_free, key=prompt_digest(prompt, first_token),
-                meta={"cache": source_record(self.layout, req.block_ids, req.slot, n)})
+                meta={"cache": source_record(self.layout, blocks, slot, n)})
         except Exception:
             eng.release(request_id)
             raise
@@ -87,18 +88,5 @@ class PrefillWorker(WorkerBase):
         self.transfer.peer_lost(agent)
         self.engine.wake()
 
-    def _tick(self, eng) -> None:
+    def tick(self, eng) -> None:
         self.transfer.collect()  # runs on_free: leases' memory back to the pools
-
-
-def _release_quietly(eng, request_id: str) -> None:
-    """Free a held prefill request whose caller went away before its lease was made."""
-    req = eng.requests.get(request_id)
-    if req is None:
-        return
-    if req.is_finished:
-        eng.release(request_id)
-    else:
-        eng.abort(request_id)
-        if request_id in eng.requests:
-            eng.release(request_id)
