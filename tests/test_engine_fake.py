@@ -199,7 +199,7 @@ def test_transfer_target_filled_then_decoded(engine):
     p = prompts(1, seed=6, lo=20)[0]
     first = reference_next(p, VOCAB)
     rid = engine.add_remote_request(p, first, GREEDY)
-    [(_, blocks, slot, shared)] = engine.reserve_transfers()
+    [(_, blocks, slot, shared, _)] = engine.reserve_transfers()
     assert shared == 0
     engine.step()  # nothing runs for it while the transfer is pending
     assert engine.requests[rid].num_computed_tokens == 0
@@ -211,7 +211,7 @@ def test_transfer_target_filled_then_decoded(engine):
     assert done[rid].token_ids == reference_greedy(p, 24, VOCAB)
 
     rid3 = engine.add_remote_request(p, first, GREEDY)
-    [(_, blocks3, slot3, shared)] = engine.reserve_transfers()
+    [(_, blocks3, slot3, shared, _)] = engine.reserve_transfers()
     assert shared == (len(p) // BLOCK if engine.prefix else 0)
     assert blocks3[:shared] == blocks[:shared]
     fill_as_a_transfer(engine, p, blocks3, slot3, skip=shared)
@@ -277,7 +277,7 @@ def test_500_random_requests_fenced_and_all_memory_returned(engine):
                 engine.abort(live.pop(int(rng.integers(len(live)))))
             if queued and rng.random() < 0.05:  # a client gone while its request waits
                 engine.abort(queued.pop(int(rng.integers(len(queued)))))
-            for rid, blocks, slot, _ in engine.reserve_transfers():  # memory for queued ones
+            for rid, blocks, slot, *_ in engine.reserve_transfers():  # memory for queued ones
                 queued.remove(rid)
                 transfers[rid] = (set(blocks), {slot})
             for rid in [r for r in transfers if rng.random() < 0.2]:

@@ -329,7 +329,7 @@ def _serving_child() -> None:
                 pre.step()
             req = pre.requests[rid]
             did = dec.add_remote_request(prompt, req.output_token_ids[0], greedy)
-            [(_, blocks, slot, _)] = dec.reserve_transfers()
+            [(_, blocks, slot, *_)] = dec.reserve_transfers()
             src_regions, src_layout = shard_regions(pre.runner.cache)
             dst_regions, dst_layout = shard_regions(dec.runner.cache)
             src_items, dst_items = stream_items(src_layout, req.block_ids, req.slot, dst_layout,

@@ -13,8 +13,9 @@ Backends:
   "interpret" -> the same Pallas kernel body in interpret mode (any platform).
 
 FP8 experts (``scale`` given: block_fp8) stay FP8 in the Pallas kernel; the Mosaic
-kernel and the reference take the layer's experts dequantised (at prefill sizes the
-matmul is compute-bound and one layer's dequantised copy is a small share of it).
+kernel and the reference take the layer's experts dequantised by XLA, a copy that at
+8,192 prefill tokens costs more than the bf16 matmul itself (bench/RESULTS.md, FP8
+kernels): an FP8 Mosaic kernel is what would remove it.
 """
 
 from __future__ import annotations
