@@ -11,7 +11,8 @@ reach a prefill worker through the router, not strictly in order). Prints the hi
 rate (cached prompt tokens over prompt tokens, as vllm:prefix_cache_hits_total over
 queries) beside the most this load allows: every prompt but the first of each prefix
 hitting all the full blocks of its prefix; and the engine step by which the median and
-the 90th-percentile request had its first token (what TTFT counts in steps).
+the 90th-percentile request had its first token (what TTFT counts in steps), under each
+``--scheduling-policies`` value.
 """
 from __future__ import annotations
 
@@ -47,10 +48,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--num-prefix-snapshots", type=int, default=None,
                    help="default: --max-num-seqs, as the servers'")
     p.add_argument("--orders", type=int, default=3, help="shuffled orders after the first")
+    p.add_argument("--scheduling-policies", nargs="+", default=["lpm", "fcfs"],
+                   choices=["lpm", "fcfs"])
     return p
 
 
-def hit_rate(args, prompts) -> tuple[float, float, float]:
+def hit_rate(args, prompts, policy: str) -> tuple[float, float, float]:
     """(hit rate, step of the median request's first token, of the 90th percentile's)."""
     cfg = EngineConfig(
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -60,7 +63,7 @@ def hit_rate(args, prompts) -> tuple[float, float, float]:
                         prefill_seqs=tuple(int(s) for s in args.prefill_seq_buckets.split(",")),
                         decode_seqs=(args.max_num_seqs,)),
         enable_prefix_caching=True, prefix_state_interval=args.prefix_state_interval,
-        num_prefix_snapshots=args.num_prefix_snapshots)
+        num_prefix_snapshots=args.num_prefix_snapshots, scheduling_policy=policy)
     engine = Engine(FakeModel(VOCAB), FakeCache.allocate(cfg.num_blocks, cfg.block_size,
                                                          cfg.num_state_rows),
                     cfg, batch_type=FakeBatch)
@@ -92,10 +95,11 @@ def main(argv=None) -> None:
         order = list(range(len(prompts)))
         random.Random(seed).shuffle(order)
         orders.append((f"shuffled (seed {seed})", [prompts[i] for i in order]))
-    for name, ps in orders:
-        rate, median, p90 = hit_rate(args, ps)
-        print(f"{name}: {rate:.2%} hit rate; first token by step {median:g} (median), "
-              f"{p90:g} (p90)")
+    for policy in args.scheduling_policies:
+        for name, ps in orders:
+            rate, median, p90 = hit_rate(args, ps, policy)
+            print(f"{name}, {policy}: {rate:.2%} hit rate; first token by step {median:g} "
+                  f"(median), {p90:g} (p90)")
 
 
 if __name__ == "__main__":

@@ -83,6 +83,10 @@ def server_parser(prog: str = "python -m serving.api",
     p.add_argument("--num-prefix-snapshots", type=int, default=None,
                    help="state rows for snapshots, counted in the cache budget "
                         "(default: max-num-seqs)")
+    p.add_argument("--scheduling-policy", default="lpm", choices=["lpm", "fcfs"],
+                   help="order of admitting waiting requests: longest cached prefix first "
+                        "(lpm, SGLang's name; arrival order without prefix caching) or "
+                        "strictly by arrival (fcfs)")
     p.add_argument("--prefill-token-buckets", type=_ints, default=None, metavar="T1,T2,...")
     p.add_argument("--prefill-seq-buckets", type=_ints, default=None, metavar="N1,N2,...")
     p.add_argument("--decode-seq-buckets", type=_ints, default=None, metavar="N1,N2,...")

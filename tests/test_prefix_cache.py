@@ -131,6 +131,85 @@ def test_a_burst_off_a_shared_prefix_hits_all_of_it_after_the_first_step():
         eng.close()
 
 
+def _finish_order(eng, prompts):
+    """Add single-token requests in order, step to the end: the prompts' indices in the
+    order their (only) token came out, and their outputs."""
+    ids = [eng.add_request(p, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+           for p in prompts]
+    order, outs = [], {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                order.append(ids.index(o.request_id))
+                outs[o.request_id] = o
+    for p, i in zip(prompts, ids):
+        assert outs[i].token_ids == reference_greedy(p, 1, VOCAB)
+    return order, [outs[i] for i in ids]
+
+
+@pytest.mark.parametrize("policy,first", [("lpm", 1), ("fcfs", 0)])
+def test_a_request_with_a_cached_prefix_goes_ahead_under_lpm(policy, first):
+    """A cached 20-token prefix, then a 30-token prompt without a hit and, behind it, the
+    prefix plus 6 tokens: under "lpm" the hit (6 tokens to compute) is admitted first and
+    has its token a step earlier; under "fcfs" arrival order holds (the whole prompt
+    takes the 32-token budget first)."""
+    eng = make_engine(True, prefix_state_interval=1, num_prefix_snapshots=8,
+                      scheduling_policy=policy)
+    try:
+        shared = tokens(20, seed=31)
+        run(eng, [shared])
+        order, outs = _finish_order(eng, [tokens(30, seed=32), shared + tokens(6, seed=33)])
+        assert order[0] == first and outs[1].num_cached_tokens == 20
+        assert_all_free(eng)
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("policy,hits", [("lpm", [0, 8, 8]), ("fcfs", [0, 0, 0])])
+def test_prompts_sharing_a_prefix_in_prefill_wait_for_it_under_lpm(policy, hits):
+    """Three prompts of 2 shared blocks and a tail each, sent at once, with budget for all
+    three in one step: under "lpm" the two that share the first one's prefix, which is
+    being computed, wait a step and hit it; under "fcfs" all three compute it."""
+    eng = make_engine(True, prefix_state_interval=8, num_prefix_snapshots=6,
+                      scheduling_policy=policy)
+    try:
+        shared = tokens(8, seed=41)
+        _, outs = _finish_order(eng, [shared + tokens(2, seed=42 + i) for i in range(3)])
+        assert [o.num_cached_tokens for o in outs] == hits
+        assert_all_free(eng)
+    finally:
+        eng.close()
+
+
+def test_a_request_passed_over_too_often_goes_first():
+    """The bound on waiting under "lpm": each pass that admits a request queued behind a
+    waiting one passes that one over once; after MAX_PASSED it is tried first, hit or
+    not."""
+    from serving.engine.scheduler import MAX_PASSED
+
+    eng = make_engine(True, prefix_state_interval=1, num_prefix_snapshots=8)
+    try:
+        shared = tokens(20, seed=51)
+        run(eng, [shared])
+        one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+        ids = [eng.add_request(p, one) for p in (tokens(30, seed=52), tokens(25, seed=54),
+                                                  shared + tokens(6, seed=53))]
+        sched = eng.scheduler
+        x, z, y = list(sched.waiting)
+        assert list(sched._admission_order()) == [y, x, z]
+        sched._dequeue([y])  # admitted ahead of both
+        assert (x.num_passed, z.num_passed, list(sched.waiting)) == (1, 1, [x, z])
+        sched.waiting.append(y)
+        z.num_passed = MAX_PASSED
+        assert list(sched._admission_order()) == [z, y, x]
+        for i in ids:
+            eng.abort(i)
+        eng.step()
+        assert_all_free(eng)
+    finally:
+        eng.close()
+
+
 def test_concurrent_sharing_with_preemption_and_aborts(engine):
     """Three system prompts, 60 requests in waves over a pool small enough to preempt, a
     sixth of them aborted at random points: the others are exact, the aborted ones a
@@ -211,23 +290,33 @@ def test_caching_off_engine_counts_nothing():
 
 def test_the_burst_bench_reaches_the_most_its_load_allows(capsys):
     """bench.prefix_hits at a small size: 24 prompts of 4 shared prefixes sent at once,
-    each prompt a whole step's budget (as the H200 burst's), in arrival order hit every
-    full block of their prefix but the first of each. Shuffled, a prompt admitted beside
-    the last chunk of its prefix's first prompt hits only the blocks written before that
-    step: a few points less, never a collapse."""
+    each prompt a whole step's budget (as the H200 burst's). Under "lpm" every prompt
+    but the first of each prefix hits every full block of its prefix in any order, and
+    the median request has its token sooner than under "fcfs" (each prefix's followers
+    run right after it, the others' whole prompts after them). Under "fcfs", in arrival
+    order, the same hits; shuffled, a prompt admitted beside the last chunk of its
+    prefix's first prompt hits only the blocks written before that step: a few points
+    less, never a collapse."""
     from bench import prefix_hits
     prefix_hits.main(["--num-prompts", "24", "--input-len", "128", "--shared-prefix-len", "115",
                       "--block-size", "4", "--num-blocks", "1024", "--max-num-seqs", "8",
                       "--max-num-batched-tokens", "128", "--prefill-seq-buckets", "2,8",
                       "--prefix-state-interval", "8", "--num-prefix-snapshots", "64",
-                      "--orders", "2"])
-    lines = [line for line in capsys.readouterr().out.splitlines()
-             if line.startswith(("most", "in arrival", "shuffled"))]
-    rates = [float(line.split(": ")[1].split("%")[0]) for line in lines]
-    steps = [float(line.split("by step ")[1].split(" ")[0]) for line in lines[1:]]
-    most, in_order, *shuffled = rates
-    assert len(shuffled) == 2 and in_order == most, rates
-    assert all(most - 5 < r <= most for r in shuffled), rates
-    # 4 whole prompts and 20 suffixes of ~13 tokens, 128 tokens a step: the median request
-    # has its token after the 4 whole prompts and some suffixes (an output lags a step)
-    assert all(5 <= s <= 8 for s in steps), steps
+                      "--orders", "2", "--scheduling-policies", "lpm", "fcfs"])
+    lines = capsys.readouterr().out.splitlines()
+    most = float(next(line for line in lines if line.startswith("most")).split(": ")[1][:-1])
+    runs = {}
+    for line in lines:
+        if ", lpm: " in line or ", fcfs: " in line:
+            head, tail = line.split(": ", 1)
+            runs[head] = (float(tail.split("%")[0]), float(tail.split("by step ")[1].split()[0]))
+    lpm = [v for k, v in runs.items() if k.endswith("lpm")]
+    fcfs = [v for k, v in runs.items() if k.endswith("fcfs")]
+    assert len(lpm) == len(fcfs) == 3, runs
+    assert all(rate == most for rate, _ in lpm), runs
+    assert runs["in arrival order, fcfs"][0] == most, runs
+    assert all(most - 5 < rate <= most for rate, _ in fcfs), runs
+    # 4 whole prompts and 20 suffixes of ~13 tokens, 128 tokens a step; an output lags a
+    # step
+    assert all(4 <= step <= 8 for _, step in lpm + fcfs), runs
+    assert runs["in arrival order, lpm"][1] < runs["in arrival order, fcfs"][1], runs

@@ -63,6 +63,7 @@ def engine_kwargs(args) -> dict:
           "enable_prefix_caching": args.enable_prefix_caching,
           "prefix_state_interval": args.prefix_state_interval,
           "num_prefix_snapshots": args.num_prefix_snapshots,
+          "scheduling_policy": args.scheduling_policy,
           "async_scheduling": args.async_scheduling,
           "ssm_dtype": {"auto": "float32"}.get(args.mamba_ssm_cache_dtype,
                                                args.mamba_ssm_cache_dtype)}

@@ -4,6 +4,8 @@ from dataclasses import dataclass
 
 from serving.engine.buckets import Buckets
 
+SCHEDULING_POLICIES = ("lpm", "fcfs")
+
 
 @dataclass
 class EngineConfig:
@@ -34,6 +36,9 @@ class EngineConfig:
     enable_prefix_caching: bool = False
     prefix_state_interval: int = 32
     num_prefix_snapshots: int | None = None
+    # Admission order of waiting requests (scheduler.py): "lpm" admits those with the
+    # longest cached prefix first (SGLang's policy name), "fcfs" strictly by arrival.
+    scheduling_policy: str = "lpm"
 
     def __post_init__(self):
         if self.num_slots is None:
@@ -44,6 +49,9 @@ class EngineConfig:
                                            or self.prefix_state_interval < 1):
             raise ValueError("prefix caching needs num_prefix_snapshots >= 1 and "
                              "prefix_state_interval >= 1")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"unknown scheduling policy {self.scheduling_policy!r}; one of "
+                             f"{SCHEDULING_POLICIES}")
         if self.buckets is None:
             self.buckets = Buckets.default(self.max_num_seqs, self.max_num_batched_tokens)
         if self.num_slots < 1 or self.max_num_seqs < 1:

@@ -95,7 +95,8 @@ class Engine:
         self.scheduler = Scheduler(
             max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
             max_model_len=c.max_model_len, block_size=c.block_size,
-            blocks=self.blocks, slots=self.slots, fence=self.fence, prefix=self.prefix)
+            blocks=self.blocks, slots=self.slots, fence=self.fence, prefix=self.prefix,
+            longest_prefix_first=c.scheduling_policy == "lpm")
         self.compiles = CompileCounter()
         self.runner = Runner(model, cache, num_slots=c.num_slots,
                              max_blocks_per_seq=c.max_blocks_per_seq, buckets=c.buckets,

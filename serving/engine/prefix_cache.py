@@ -142,6 +142,18 @@ class PrefixCache:
                 return found[:j], row
         return [], None
 
+    def cached_tokens(self, req: Request) -> int:
+        """The tokens `match` would let `req` skip now, taking nothing (no owner added,
+        no LRU touched): how the scheduler ranks waiting requests."""
+        limit = (req.num_tokens - 1) // self.block_size
+        keys = self.keys(req, limit * self.block_size)
+        j = 0
+        while j < len(keys) and keys[j] in self._block:
+            j += 1
+        while j > 0 and keys[j - 1] not in self.rows:
+            j -= 1
+        return j * self.block_size
+
     def match_blocks(self, req: Request, num_tokens: int) -> list[int]:
         """The cached blocks that hold the start of `req`'s first `num_tokens` tokens, with
         `req` added as their owner: for a request whose state arrives by a transfer (the

@@ -43,6 +43,7 @@ class Request:
     slot: int | None = None
     epoch: int = 0
     num_preemptions: int = 0
+    num_passed: int = 0  # scheduling passes that admitted a request queued behind it
     hold_on_finish: bool = False  # keep memory for a transfer lease after finishing
     # prefix caching (prefix_cache.py): the keys of the full blocks of known tokens,
     # how many of block_ids are registered under them, the prompt tokens the first

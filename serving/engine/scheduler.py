@@ -2,10 +2,16 @@
 
 Every step gets a token budget (`max_num_batched_tokens`). Running requests
 are served first (single-token decodes before prefill chunks, so a long prompt
-cannot starve decodes), then waiting requests are admitted strictly in arrival
-order (a request that does not fit blocks everyone behind it: fair, no
-starvation of long prompts). A prompt longer than the remaining budget is cut
-into chunks; the next chunk continues from the KV blocks and the GDN slot.
+cannot starve decodes), then waiting requests are admitted in order, and a
+request that does not fit blocks everyone behind it. The order is arrival
+("fcfs"), or with a prefix cache ("lpm", SGLang's policy of that name) the
+longest cached prefix first among the first `LOOKAHEAD` waiting requests,
+arrival order among equals: a burst of prompts off a few shared prefixes then
+runs each prefix's followers (short suffixes) as soon as the step that cached
+the prefix has been scheduled, ahead of other prefixes' whole prompts. A request
+passed over in `MAX_PASSED` scheduling passes goes back to the front, so none
+waits without bound. A prompt longer than the remaining budget is cut into
+chunks; the next chunk continues from the KV blocks and the GDN slot.
 
 When a running request needs a block and none is free, the most recently
 admitted request is preempted: its memory is released (through the fence) and
@@ -25,6 +31,7 @@ runs through the prefill program, which also carries single-token decodes (mixed
 batch).
 """
 
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -34,6 +41,14 @@ from serving.engine.fence import StepFence
 from serving.engine.prefix_cache import PrefixCache
 from serving.engine.request import Request, Status
 from serving.engine.state_pool import SlotPool
+
+
+# "lpm" order: the waiting requests ranked each pass, and the passes a request may be
+# passed over in before it goes first again (a bursty load passes a whole prompt over
+# while the followers of the prefixes before it run: ~10 passes in bench.prefix_hits's
+# burst; 4 would put the whole prompts back in arrival order, and lose the gain)
+LOOKAHEAD = 256
+MAX_PASSED = 16
 
 
 @dataclass
@@ -60,7 +75,7 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  block_size: int, blocks: BlockPool, slots: SlotPool, fence: StepFence,
-                 prefix: PrefixCache | None = None):
+                 prefix: PrefixCache | None = None, longest_prefix_first: bool = False):
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -69,6 +84,7 @@ class Scheduler:
         self.slots = slots
         self.fence = fence
         self.prefix = prefix
+        self.longest_prefix_first = longest_prefix_first and prefix is not None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order
         self.transferring: dict[str, Request] = {}
@@ -231,16 +247,21 @@ class Scheduler:
                 seqs.append(self._take(req, n))
                 scheduled.add(id(req))
                 budget -= n
-        while (not preempted and self.waiting and budget > 0
-               and len(self.running) + len(self.transferring) < self.max_num_seqs
-               and self.slots.num_free > 0):
-            req = self.waiting[0]
+        order = self._admission_order() if not preempted else []
+        admitted = []
+        computing = self._prefixes_in_prefill()
+        for req in order:
+            if not (budget > 0 and self.slots.num_free > 0
+                    and len(self.running) + len(self.transferring) < self.max_num_seqs):
+                break
+            if computing is not None and self._first_key(req) in computing:
+                continue  # its prefix is being computed: it hits it once that is done
             restore = self._restore_prefix(req)
             n = min(self._remaining(req), budget)
             if not self._grow(req, req.num_computed_tokens + n, may_wait=False):
                 self._unshare(req)
                 break
-            self.waiting.popleft()
+            admitted.append(req)
             if self.prefix is not None:
                 self.prefix.count(req.num_tokens, req.num_computed_tokens)
             if req.num_cached_tokens is None:  # its first admission
@@ -251,12 +272,60 @@ class Scheduler:
             self.running.append(req)
             seqs.append(self._take(req, n, restore))
             budget -= n
+            if computing is not None and not req.num_cached_tokens:  # computes its prefix
+                computing.add(self._first_key(req))
+        self._dequeue(admitted)
         is_decode = bool(seqs) and all(s.num_tokens == 1 and s.start > 0 and s.restore is None
                                        for s in seqs)
         out = SchedulerOutput(seqs, is_decode)
         if self.prefix is not None:
             self._register(out)
         return out
+
+    # ---- admission order -------------------------------------------------
+
+    def _admission_order(self):
+        """Waiting requests in the order this pass tries to admit them (module
+        docstring): arrival, or "lpm": those passed over `MAX_PASSED` times first, in
+        arrival order, then the first `LOOKAHEAD` by cached prefix, longest first."""
+        if not self.longest_prefix_first or len(self.waiting) < 2:
+            return iter(self.waiting)
+        head = list(itertools.islice(self.waiting, LOOKAHEAD))
+        overdue = [r for r in head if r.num_passed >= MAX_PASSED]
+        rest = sorted((r for r in head if r.num_passed < MAX_PASSED),
+                      key=lambda r: -self.prefix.cached_tokens(r))
+        return itertools.chain(overdue, rest, itertools.islice(self.waiting, LOOKAHEAD, None))
+
+    def _prefixes_in_prefill(self) -> set[bytes] | None:
+        """"lpm": the first-block keys of the running requests that compute their prompt
+        from its start (no hit) and whose prompt blocks are not all cached yet (a step
+        scheduled in this pass caches them only for the next pass). A waiting request
+        that starts with one of them waits until they are, then hits them all, instead
+        of computing the same prefix beside it. None under "fcfs"."""
+        if not self.longest_prefix_first:
+            return None
+        return {self._first_key(r) for r in self.running if not r.num_cached_tokens
+                and r.num_registered_blocks < r.num_prompt_tokens // self.block_size} - {None}
+
+    def _first_key(self, req: Request) -> bytes | None:
+        keys = self.prefix.keys(req, self.block_size)
+        return keys[0] if keys else None
+
+    def _dequeue(self, admitted: list[Request]) -> None:
+        """Take the admitted requests off the queue; each request that stays and was
+        ahead of one of them has been passed over once more."""
+        if not admitted:
+            return
+        if all(a is w for a, w in zip(admitted, self.waiting)):  # in queue order
+            for _ in admitted:
+                self.waiting.popleft()
+            return
+        taken = {id(r) for r in admitted}
+        last = max(i for i, r in enumerate(self.waiting) if id(r) in taken)
+        for i, r in enumerate(self.waiting):
+            if i < last and id(r) not in taken:
+                r.num_passed += 1
+        self.waiting = deque(r for r in self.waiting if id(r) not in taken)
 
     # ---- prefix caching -------------------------------------------------
 
