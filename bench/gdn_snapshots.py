@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.harness import time_jax
-from bench.kernels import _rand_gdn
+from bench.gdn_kernels import _rand_gdn
 from pallas_kernels.gdn import gdn_prefill
 
 HK, HV, DK = 16, 32, 128
