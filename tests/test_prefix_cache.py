@@ -181,6 +181,23 @@ def test_prompts_sharing_a_prefix_in_prefill_wait_for_it_under_lpm(policy, hits)
         eng.close()
 
 
+def test_prompts_shorter_than_a_block_are_admitted_together_under_lpm():
+    """A prompt shorter than a block has no first block to wait on: six such prompts all
+    start in the first step, as under "fcfs"."""
+    eng = make_engine(True, prefix_state_interval=1, num_prefix_snapshots=8)
+    try:
+        one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+        for i in range(6):
+            eng.add_request(tokens(BLOCK - 1, seed=60 + i), one)
+        eng.step()
+        assert len(eng.scheduler.running) == 6 and not eng.scheduler.waiting
+        while eng.has_unfinished():
+            eng.step()
+        assert_all_free(eng)
+    finally:
+        eng.close()
+
+
 def test_a_request_passed_over_too_often_goes_first():
     """The bound on waiting under "lpm": each pass that admits a request queued behind a
     waiting one passes that one over once; after MAX_PASSED it is tried first, hit or

@@ -211,8 +211,10 @@ class Engine:
         return request_id in self.requests
 
     def discard(self, request_id: str) -> None:
-        """End a request, whatever its state, and its hold: for a held request whose
-        caller went away before anyone took its memory. Unknown ids are ignored."""
+        """End a held request (`hold_on_finish`), running or finished, and its hold: for
+        one whose caller went away before anyone took its memory. Unknown ids are
+        ignored. Not for a request a transfer is filling: its memory is the transfer's
+        until `finish_transfer` or `abandon_transfer`."""
         req = self.requests.get(request_id)
         if req is None:
             return

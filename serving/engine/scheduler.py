@@ -9,8 +9,10 @@ longest cached prefix first among the first `LOOKAHEAD` waiting requests,
 arrival order among equals: a burst of prompts off a few shared prefixes then
 runs each prefix's followers (short suffixes) as soon as the step that cached
 the prefix has been scheduled, ahead of other prefixes' whole prompts. A request
-passed over in `MAX_PASSED` scheduling passes goes back to the front, so none
-waits without bound. A prompt longer than the remaining budget is cut into
+passed over in `MAX_PASSED` scheduling passes goes back to the front (a preempted
+one at once, as under "fcfs"), so none waits without bound: the one wait that
+outlasts it is for a prefix another request is computing, which ends when that
+prompt's last chunk is scheduled. A prompt longer than the remaining budget is cut into
 chunks; the next chunk continues from the KV blocks and the GDN slot.
 
 When a running request needs a block and none is free, the most recently
@@ -247,14 +249,16 @@ class Scheduler:
                 seqs.append(self._take(req, n))
                 scheduled.add(id(req))
                 budget -= n
-        order = self._admission_order() if not preempted else []
+        room = (not preempted and self.waiting and budget > 0 and self.slots.num_free > 0
+                and len(self.running) + len(self.transferring) < self.max_num_seqs)
+        order = self._admission_order() if room else []
         admitted = []
-        computing = self._prefixes_in_prefill()
+        computing = self._prefixes_in_prefill() if room else None
         for req in order:
             if not (budget > 0 and self.slots.num_free > 0
                     and len(self.running) + len(self.transferring) < self.max_num_seqs):
                 break
-            if computing is not None and self._first_key(req) in computing:
+            if computing and self._first_key(req) in computing:
                 continue  # its prefix is being computed: it hits it once that is done
             restore = self._restore_prefix(req)
             n = min(self._remaining(req), budget)
@@ -262,6 +266,7 @@ class Scheduler:
                 self._unshare(req)
                 break
             admitted.append(req)
+            req.num_passed = 0
             if self.prefix is not None:
                 self.prefix.count(req.num_tokens, req.num_computed_tokens)
             if req.num_cached_tokens is None:  # its first admission
@@ -272,8 +277,9 @@ class Scheduler:
             self.running.append(req)
             seqs.append(self._take(req, n, restore))
             budget -= n
-            if computing is not None and not req.num_cached_tokens:  # computes its prefix
-                computing.add(self._first_key(req))
+            key = self._first_key(req) if computing is not None else None
+            if key is not None and not req.num_cached_tokens:  # computes its prefix
+                computing.add(key)
         self._dequeue(admitted)
         is_decode = bool(seqs) and all(s.num_tokens == 1 and s.start > 0 and s.restore is None
                                        for s in seqs)
@@ -297,11 +303,12 @@ class Scheduler:
         return itertools.chain(overdue, rest, itertools.islice(self.waiting, LOOKAHEAD, None))
 
     def _prefixes_in_prefill(self) -> set[bytes] | None:
-        """"lpm": the first-block keys of the running requests that compute their prompt
-        from its start (no hit) and whose prompt blocks are not all cached yet (a step
-        scheduled in this pass caches them only for the next pass). A waiting request
-        that starts with one of them waits until they are, then hits them all, instead
-        of computing the same prefix beside it. None under "fcfs"."""
+        """"lpm": the first-block keys of the running requests that computed their prompt
+        from its start when first admitted (no hit) and whose prompt blocks are not all
+        cached yet (a step scheduled in this pass caches them only for the next pass). A
+        waiting request that starts with one of them waits until they are, then hits
+        them all, instead of computing the same prefix beside it; the wait ends when that
+        prompt's last chunk is scheduled, whatever `MAX_PASSED` says. None under "fcfs"."""
         if not self.longest_prefix_first:
             return None
         return {self._first_key(r) for r in self.running if not r.num_cached_tokens
@@ -401,7 +408,8 @@ class Scheduler:
 
     def _requeue(self, req: Request) -> None:
         """Back to the head of the queue, holding no memory, to compute its prompt
-        again from the start."""
+        again from the start (under "lpm" as one passed over too often: first)."""
         req.num_computed_tokens = 0
+        req.num_passed = MAX_PASSED
         req.status = Status.WAITING
         self.waiting.appendleft(req)
