@@ -88,6 +88,14 @@ def check(rng) -> list[dict]:
     return out
 
 
+def _report(label: str, row: dict) -> None:
+    """One timed row: bf16 and FP8 ms, the speed-up, the FP8 floor, the swept tiles."""
+    print(f"{label}  bf16 {row['bf16']:.4f} ms  fp8 {row['fp8']:.4f} ms  "
+          f"({row['bf16'] / row['fp8']:.2f}x)  fp8 floor {row['floor_fp8_ms']:.4f} ms "
+          f"({row['floor_fp8_ms'] / row['fp8']:.0%})"
+          + "".join(f"  {v} {row[v]:.4f}" for v in row if v.startswith("fp8 ")), flush=True)
+
+
 def dense_timings(ceil, sweep) -> list[dict]:
     out = []
     layers = dense_bench.LAYERS
@@ -122,11 +130,7 @@ def dense_timings(ceil, sweep) -> list[dict]:
                                np.asarray(base, np.float64))
                 print(f"  agree {cfg}: {err:.1e} {'ok' if ok else 'FAIL'}")
             out.append(row)
-            print(f"dense {name:12s} rows {rows:4d}  bf16 {row['bf16']:.4f} ms  fp8 "
-                  f"{row['fp8']:.4f} ms  ({row['bf16'] / row['fp8']:.2f}x)  fp8 floor "
-                  f"{row['floor_fp8_ms']:.4f} ms ({row['floor_fp8_ms'] / row['fp8']:.0%})"
-                  + "".join(f"  {v} {row[v]:.4f}" for v in row if v.startswith("fp8 ")),
-                  flush=True)
+            _report(f"dense {name:12s} rows {rows:4d}", row)
     return out
 
 
@@ -159,11 +163,7 @@ def expert_timings(rng, ceil, sweep) -> list[dict]:
                 err, ok = _err(fn(x, q, s, sizes), np.asarray(fp8(x, q, s, sizes), np.float64))
                 print(f"  agree {name}: {err:.1e} {'ok' if ok else 'FAIL'}")
             out.append(row)
-            print(f"experts {shape:8s} {phase:12s} ({row['backend']})  bf16 {row['bf16']:.4f} ms"
-                  f"  fp8 {row['fp8']:.4f} ms  ({row['bf16'] / row['fp8']:.2f}x)  fp8 floor "
-                  f"{row['floor_fp8_ms']:.4f} ms ({row['floor_fp8_ms'] / row['fp8']:.0%})"
-                  + "".join(f"  {v} {row[v]:.4f}" for v in row if v.startswith("fp8 ")),
-                  flush=True)
+            _report(f"experts {shape:8s} {phase:12s} ({row['backend']})", row)
     return out
 
 

@@ -26,7 +26,7 @@ class EngineConnector:
     def admit(self, engine, request_id: str, prompt: list[int], params, **kw) -> None:
         if kw:
             raise TypeError(f"unexpected admission arguments {sorted(kw)}")
-        engine.add_request(list(prompt), params, request_id)
+        engine.add_request(prompt, params, request_id)
 
     def tick(self, engine) -> None:
         """Between steps: apply what happened outside the engine."""

@@ -249,14 +249,16 @@ class Scheduler:
                 seqs.append(self._take(req, n))
                 scheduled.add(id(req))
                 budget -= n
-        room = (not preempted and self.waiting and budget > 0 and self.slots.num_free > 0
-                and len(self.running) + len(self.transferring) < self.max_num_seqs)
-        order = self._admission_order() if room else []
+        def room() -> bool:
+            return (budget > 0 and self.slots.num_free > 0
+                    and len(self.running) + len(self.transferring) < self.max_num_seqs)
+
+        admitting = not preempted and bool(self.waiting) and room()
+        order = self._admission_order() if admitting else []
         admitted = []
-        computing = self._prefixes_in_prefill() if room else None
+        computing = self._prefixes_in_prefill() if admitting else None
         for req in order:
-            if not (budget > 0 and self.slots.num_free > 0
-                    and len(self.running) + len(self.transferring) < self.max_num_seqs):
+            if not room():
                 break
             if computing and self._first_key(req) in computing:
                 continue  # its prefix is being computed: it hits it once that is done
