@@ -5,6 +5,7 @@
     python -m bench.accuracy --model tiny-math-moe            # + --ep 2
     python -m bench.accuracy --dtypes bfloat16 --layouts aggregated disaggregated   # a GPU
     python -m bench.accuracy --quantizations none fp8         # + FP8 weights (--quantization)
+    python -m bench.accuracy --speculative-tokens 0 1 2 3 --layouts aggregated   # + MTP drafts
 
 Each server is started, sent the same ``--num-problems`` held-out problems
 (``qwen35_jax.train.problems.held_out``: a seed training never draws) through the
@@ -12,8 +13,12 @@ official ``openai`` client as greedy completions, scored GSM8K's way (the number
 ``####`` equals the answer) and stopped. Beside each score: how many completions are
 token-identical to the aggregated server's in the same dtype (its ``logprobs`` tokens),
 and the first problem where one is not (against the unquantised aggregated server: an FP8
-row shows how many answers FP8 weights leave unchanged). Prints a table and writes
-``<result-dir>/accuracy.json``.
+row shows how many answers FP8 weights leave unchanged). With ``--speculative-tokens k``
+(k > 0) the aggregated server drafts k tokens a step with the model's MTP head
+(``--speculative-config``): its answers must be identical to the server's without, and
+its row adds the acceptance length (1 + accepted / verified draft runs, from the
+server's ``vllm:spec_decode_*`` counters) and the acceptance rate at each draft
+position. Prints a table and writes ``<result-dir>/accuracy.json``.
 
 Layouts: ``aggregated`` (``python -m serving.api``), ``disaggregated`` (``python -m
 serving``: one prefill and one decode worker), ``tp2`` and ``ep2`` (the disaggregated
@@ -32,6 +37,10 @@ import os
 import signal
 import sys
 import time
+
+import httpx
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.disagg import CPU_ENGINE_FLAGS, start_server, stop_server
 from serving.__main__ import gpus
@@ -105,16 +114,44 @@ def server_env(layout: str) -> dict:
     return env
 
 
+def acceptance(url: str) -> dict:
+    """The speculative server's acceptance: length (tokens a verify step yields a
+    request: 1 + accepted / draft runs) and the rate at each draft position."""
+    m = asyncio.run(_scrape(url))
+    runs = m.get("vllm:spec_decode_num_drafts_total", 0.0)
+    per_pos = sorted((int(k.split("position=")[1].rstrip("}")), v) for k, v in m.items()
+                     if k.startswith("vllm:spec_decode_num_accepted_tokens_per_pos"))
+    return {"acceptance_length": 1 + m.get("vllm:spec_decode_num_accepted_tokens_total", 0.0)
+            / max(runs, 1.0), "acceptance_per_position": [v / max(runs, 1.0) for _, v in per_pos],
+            "draft_runs": int(runs)}
+
+
+async def _scrape(url: str) -> dict:
+    """The server's Prometheus samples by name (as `bench.load.scrape`), with the
+    per-position counters keyed ``name{position=i}``."""
+    async with httpx.AsyncClient() as client:
+        r = await client.get(f"{url}/metrics", timeout=5.0)
+    out = {}
+    for family in text_string_to_metric_families(r.text):
+        for sample in family.samples:
+            pos = sample.labels.get("position")
+            key = sample.name + (f"{{position={pos}}}" if pos is not None else "")
+            out[key] = out.get(key, 0.0) + sample.value
+    return out
+
+
 def table(rows: list[dict]) -> str:
-    head = (f"{'layout':<14} {'weights':<8} {'dtype':<9} {'exact':>7} {'correct':>9} "
-            f"{'identical to agg.':>18} {'s':>6}")
+    head = (f"{'layout':<14} {'weights':<8} {'dtype':<9} {'k':>2} {'exact':>7} {'correct':>9} "
+            f"{'identical to agg.':>18} {'accept len':>10} {'s':>6}")
     out = [head, "-" * len(head)]
     for r in rows:
         same = r.get("agreement")
         ident = (f"{same['identical']}/{same['of']}" if same else
                  "(reference)" if r["layout"] == "aggregated" else "-")
-        out.append(f"{r['layout']:<14} {r['quantization']:<8} {r['dtype']:<9} {r['exact']:>7.1%} "
-                   f"{r['correct']:>4}/{r['n']:<4} {ident:>18} {r['seconds']:>6.0f}")
+        accept = f"{r['acceptance_length']:.2f}" if "acceptance_length" in r else "-"
+        out.append(f"{r['layout']:<14} {r['quantization']:<8} {r['dtype']:<9} "
+                   f"{r['speculative_tokens']:>2} {r['exact']:>7.1%} "
+                   f"{r['correct']:>4}/{r['n']:<4} {ident:>18} {accept:>10} {r['seconds']:>6.0f}")
     return "\n".join(out)
 
 
@@ -129,6 +166,8 @@ def parser() -> argparse.ArgumentParser:
                    help="weights as loaded, or --quantization fp8 for the servers")
     p.add_argument("--layouts", nargs="+", default=None, choices=list(LAYOUTS),
                    help="default: aggregated, disaggregated, tp2 (and ep2 for a MoE model)")
+    p.add_argument("--speculative-tokens", nargs="+", type=int, default=[0],
+                   help="drafts a step (MTP) of the aggregated server; 0: none")
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--port", type=int, default=8400)
     p.add_argument("--startup-timeout", type=float, default=900)
@@ -155,23 +194,29 @@ def main(argv=None) -> list[dict]:
     prompts = [p.prompt for p in probs]
     rows, reference = [], {}
     os.makedirs(args.result_dir, exist_ok=True)
-    runs = [(q, dtype, layout) for q in args.quantizations for dtype in args.dtypes
-            for layout in layouts]
-    for quantization, dtype, layout in runs:
+    runs = [(q, dtype, layout, k) for q in args.quantizations for dtype in args.dtypes
+            for layout in layouts for k in args.speculative_tokens
+            if k == 0 or layout == "aggregated"]  # the workers do not draft
+    for quantization, dtype, layout, k in runs:
         url = f"http://127.0.0.1:{args.port}"
         flags = server_flags + ([] if quantization == "none" else
                                 ["--quantization", quantization])
+        if k:
+            flags = flags + ["--speculative-config",
+                             json.dumps({"method": "mtp", "num_speculative_tokens": k})]
         proc = start_server(server_command(layout, args.model, dtype, args.port, flags),
                             url, args.startup_timeout, env=server_env(layout))
         try:
             t0 = time.perf_counter()
             outs = ask(url, prompts, args.concurrency)
             seconds = time.perf_counter() - t0
+            spec = acceptance(url) if k else {}
         finally:
             stop_server(proc)
         row = {"model": args.model, "layout": layout, "quantization": quantization,
-               "dtype": dtype, **score(probs, outs), "seconds": round(seconds, 1)}
-        if layout == "aggregated" and quantization == "none":
+               "dtype": dtype, "speculative_tokens": k, **score(probs, outs), **spec,
+               "seconds": round(seconds, 1)}
+        if layout == "aggregated" and quantization == "none" and k == 0:
             reference[dtype] = outs
         elif dtype in reference:
             row["agreement"] = agreement(outs, reference[dtype])

@@ -279,6 +279,7 @@ class AsyncEngine:
             "prefix_cache_queries": m["prefix_cache_queries"],
             "prefix_cache_hits": m["prefix_cache_hits"],
             "iteration_tokens": m.get("iteration_tokens"),
+            **{k: m[k] for k in m if k.startswith("spec_decode_")},
             **{k: m[k] for k in ("device_busy_s", "device_idle_s", "device_steps") if k in m},
         }
 

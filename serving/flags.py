@@ -87,6 +87,9 @@ def server_parser(prog: str = "python -m serving.api",
                    help="order of admitting waiting requests: longest cached prefix first "
                         "(lpm, SGLang's name; arrival order without prefix caching) or "
                         "strictly by arrival (fcfs)")
+    p.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
+                   help='speculative decoding with the model\'s MTP head: '
+                        '\'{"method": "mtp", "num_speculative_tokens": k}\' (k 1..4)')
     p.add_argument("--prefill-token-buckets", type=_ints, default=None, metavar="T1,T2,...")
     p.add_argument("--prefill-seq-buckets", type=_ints, default=None, metavar="N1,N2,...")
     p.add_argument("--decode-seq-buckets", type=_ints, default=None, metavar="N1,N2,...")

@@ -26,6 +26,7 @@ from serving.engine import Engine, EngineConfig, RequestOutput, SamplingParams
 from serving.engine.buckets import Buckets
 from serving.engine.capacity import allocate_cache, plan_capacity
 from serving.engine.compilation_cache import use_compilation_cache
+from serving.engine.config import speculative_tokens
 
 # On a CPU, long prefill programs are slow (seconds per step for the tiny model at 256
 # tokens), so prompts are prefilled in chunks of at most 64 tokens.
@@ -96,6 +97,23 @@ def load_model(model, dtype, seed, mesh=None, hf_overrides=None, quantization=No
     return qwen35_jax.init_random(cfg, seed=seed, dtype=dtype, mesh=mesh)
 
 
+def load_mtp_head(model, cfg, dtype, seed):
+    """The MTP head of a checkpoint directory or built-in checkpoint (None if it has
+    none), or a random one for a preset (speed measured at a forced acceptance is what
+    a random head serves for)."""
+    from flax import nnx
+
+    from qwen35_jax.loader import load_mtp
+    from qwen35_jax.mtp import MTP
+
+    model = builtin.resolve(model)
+    if not isinstance(model, str):
+        return None
+    if os.path.isdir(model):
+        return load_mtp(model, cfg, dtype)
+    return MTP(cfg, rngs=nnx.Rngs(seed + 1), dtype=dtype)
+
+
 def _load_tokenizer(tokenizer, model):
     model = builtin.resolve(model)
     if tokenizer is None and isinstance(model, str) and os.path.isfile(
@@ -111,10 +129,12 @@ class LLM:
     def __init__(self, model, *, tokenizer=None, dtype=None, seed: int = 0,
                  hf_overrides: dict | None = None, quantization: str | None = None,
                  compilation_cache_dir: str | None = None,
-                 **engine_kwargs):
+                 speculative_config: dict | None = None, **engine_kwargs):
         use_compilation_cache(compilation_cache_dir)
         if dtype is None:
             dtype = default_dtype()
+        if speculative_config is not None:
+            engine_kwargs["num_speculative_tokens"] = speculative_tokens(speculative_config)
         engine_kwargs = engine_defaults({"seed": seed, **engine_kwargs})
         config = EngineConfig(**engine_kwargs)
         mesh = config.mesh()
@@ -125,7 +145,8 @@ class LLM:
             config.eos_token_ids = tuple(cfg.eos_token_ids)
         self.cache_report = plan_capacity(cfg, config, dtype, mesh=mesh)
         cache = allocate_cache(cfg, config, dtype, mesh)
-        self.engine = Engine(self.model, cache, config, tokenizer=self.tokenizer)
+        mtp = load_mtp_head(model, cfg, dtype, seed) if config.num_speculative_tokens else None
+        self.engine = Engine(self.model, cache, config, tokenizer=self.tokenizer, mtp=mtp)
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
                  ) -> list[RequestOutput]:

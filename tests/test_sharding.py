@@ -32,9 +32,11 @@ import sys
 import pytest
 from host_devices import child_result, start_child
 
+# Each axis alone where it splits something new (tp2 on both FFN kinds, ep4), then each
+# pair; a pair also checks each of its axes (dp2 and ep2 alone split nothing the others leave whole).
 MODEL_MESHES = {
-    "tiny": ["dp2", "tp2", "dp2,tp2"],
-    "tiny-moe": ["dp2", "ep2", "ep4", "tp2", "dp2,ep2", "ep2,tp2"],
+    "tiny": ["tp2", "dp2,tp2"],
+    "tiny-moe": ["ep4", "tp2", "dp2,ep2", "ep2,tp2"],
     # FP8 weights (--quantization fp8): block scales beside the split experts and kernels
     "tiny-moe:fp8": ["ep2,tp2"],
 }
@@ -93,7 +95,7 @@ def test_sharded_logits_equal_single_device(forward_records, name, mesh):
 @pytest.mark.parametrize("name,mesh", [(n, m) for n, ms in MODEL_MESHES.items() for m in ms])
 def test_compiled_step_keeps_weights_and_cache_split(forward_records, name, mesh):
     r = forward_records[name][mesh]
-    assert r["split_params"] > 0 or mesh == "dp2", r
+    assert r["split_params"] > 0, r
     assert r["gathered_params"] == [], r
     if "dp" not in mesh:
         assert r["gathered_cache"] == [], r

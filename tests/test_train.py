@@ -17,6 +17,7 @@ import qwen35_jax
 from qwen35_jax import builtin
 from qwen35_jax.config import _layers
 from qwen35_jax.export import checkpoint_tensors, save_pretrained
+from qwen35_jax.loader import load_mtp
 from qwen35_jax.mtp import MTP
 from qwen35_jax.train import problems, tokenizer, trainer
 
@@ -103,6 +104,12 @@ def test_export_is_what_the_loader_and_transformers_read(tmp_path):
     np.testing.assert_array_equal(tensors["mtp.fc.weight"], np.asarray(mtp.fc.kernel[...]).T)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["text_config"]["mtp_num_hidden_layers"] == 1
+    # the head loads back from those names (per-expert MoE tensors), every value exact
+    head = load_mtp(tmp_path, cfg, jnp.float32)
+    want, got = (dict(nnx.to_flat_state(nnx.state(m))) for m in (mtp, head))
+    assert want.keys() == got.keys()
+    for k in want:
+        np.testing.assert_array_equal(np.asarray(got[k][...]), np.asarray(want[k][...]), str(k))
 
 
 @pytest.mark.parametrize("name", builtin.NAMES)

@@ -198,6 +198,20 @@ class _BackendCollector:
         yield counter("vllm:prefix_cache_hits", "Of vllm:prefix_cache_queries_total, tokens "
                       "found cached (KV blocks and a GDN state snapshot)",
                       s.get("prefix_cache_hits", 0))
+        if s.get("spec_decode_num_accepted_tokens_per_pos"):  # speculative decoding on
+            yield counter("vllm:spec_decode_num_drafts", "Verified runs of drafts (one per "
+                          "request and verify step)", s["spec_decode_num_drafts"])
+            yield counter("vllm:spec_decode_num_draft_tokens", "Drafted tokens verified",
+                          s["spec_decode_num_draft_tokens"])
+            yield counter("vllm:spec_decode_num_accepted_tokens", "Of "
+                          "vllm:spec_decode_num_draft_tokens_total, tokens accepted",
+                          s["spec_decode_num_accepted_tokens"])
+            per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                          "Accepted drafts by position in the run",
+                                          labels=["model_name", "position"])
+            for i, v in enumerate(s["spec_decode_num_accepted_tokens_per_pos"]):
+                per_pos.add_metric([self.model_name, str(i)], v)
+            yield per_pos
         yield histogram("vllm:iteration_tokens_total", "Tokens per engine step",
                         s.get("iteration_tokens"))
         yield histogram("vllm:nixl_xfer_time_seconds", "Duration of each prefill -> decode "

@@ -15,6 +15,7 @@ from serving.api.text import Tokenizer, find_tokenizer
 from serving.async_engine import AsyncEngine
 from serving.engine import SamplingParams
 from serving.engine.buckets import Buckets
+from serving.engine.config import speculative_tokens
 from serving.flags import server_parser
 from serving.llm import LLM, engine_defaults
 
@@ -57,7 +58,12 @@ def server_options(args, model: str) -> ServerOptions:
 def engine_kwargs(args) -> dict:
     """EngineConfig fields from the flags; the unset ones keep the engine's defaults, or
     on a CPU the small ones (`serving.llm.engine_defaults`)."""
+    try:
+        k = speculative_tokens(args.speculative_config)
+    except ValueError as e:
+        raise SystemExit(f"--speculative-config: {e}") from None
     kw = {"block_size": args.block_size, "max_logprobs": args.max_logprobs,
+          "num_speculative_tokens": k,
           "memory_utilization": args.gpu_memory_utilization, "ep": args.ep, "tp": args.tp,
           "track_device_idle": True,  # servers export device busy / idle time
           "enable_prefix_caching": args.enable_prefix_caching,

@@ -5,6 +5,28 @@ from dataclasses import dataclass
 from serving.engine.buckets import Buckets
 
 SCHEDULING_POLICIES = ("lpm", "fcfs")
+MAX_SPECULATIVE_TOKENS = 4
+
+
+def speculative_tokens(config: dict | None) -> int:
+    """k of vLLM's ``--speculative-config`` (``{"method": "mtp", "num_speculative_tokens":
+    k}``); 0 for None. ValueError naming what is wrong otherwise."""
+    if config is None:
+        return 0
+    if not isinstance(config, dict):
+        raise ValueError(f"speculative config must be a JSON object, got {config!r}")
+    unknown = set(config) - {"method", "num_speculative_tokens"}
+    if unknown:
+        raise ValueError(f"speculative config: unknown keys {sorted(unknown)}; this server "
+                         "reads method and num_speculative_tokens")
+    if config.get("method") != "mtp":
+        raise ValueError(f"speculative config: method {config.get('method')!r} is not "
+                         "supported; \"mtp\" (the model's MTP head) is")
+    k = config.get("num_speculative_tokens")
+    if type(k) is not int or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        raise ValueError(f"speculative config: num_speculative_tokens must be an integer in "
+                         f"1..{MAX_SPECULATIVE_TOKENS}, got {k!r}")
+    return k
 
 
 @dataclass
@@ -39,6 +61,10 @@ class EngineConfig:
     # Admission order of waiting requests (scheduler.py): "lpm" admits those with the
     # longest cached prefix first (SGLang's policy name), "fcfs" strictly by arrival.
     scheduling_policy: str = "lpm"
+    # Speculative decoding with the model's MTP head (drafter.py): k drafts a decoding
+    # request a step, verified in one target step; 0 = off. vLLM's
+    # --speculative-config '{"method": "mtp", "num_speculative_tokens": k}'.
+    num_speculative_tokens: int = 0
 
     def __post_init__(self):
         if self.num_slots is None:
@@ -49,6 +75,9 @@ class EngineConfig:
                                            or self.prefix_state_interval < 1):
             raise ValueError("prefix caching needs num_prefix_snapshots >= 1 and "
                              "prefix_state_interval >= 1")
+        if not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be in 0..{MAX_SPECULATIVE_TOKENS}, "
+                             f"got {self.num_speculative_tokens}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"unknown scheduling policy {self.scheduling_policy!r}; one of "
                              f"{SCHEDULING_POLICIES}")
@@ -72,8 +101,14 @@ class EngineConfig:
 
     @property
     def num_state_rows(self) -> int:
-        """Rows of the cache's conv and ssm arrays: request slots, then snapshot rows."""
-        return self.num_slots + self.num_prefix_snapshots
+        """Rows of the cache's conv and ssm arrays: request slots, snapshot rows, then k
+        rows a slot for the states a verify step passes (`verify_row`)."""
+        return self.num_slots * (1 + self.num_speculative_tokens) + self.num_prefix_snapshots
+
+    def verify_row(self, slot: int, r: int) -> int:
+        """The state row of slot `slot`'s sequence after the (r + 1)-th token a verify
+        step feeds it (r < k)."""
+        return self.num_slots + self.num_prefix_snapshots + slot * self.num_speculative_tokens + r
 
     def snapshots_per_step(self, num_tokens: int, num_seqs: int) -> int:
         """GDN snapshots a prefill bucket emits at most: one per interval of its tokens
@@ -82,3 +117,9 @@ class EngineConfig:
         if not self.enable_prefix_caching:
             return 0
         return num_tokens // (self.prefix_state_interval * self.block_size) + 2 * min(num_seqs, 4)
+
+    def states_per_step(self, num_tokens: int, num_seqs: int) -> int:
+        """GDN states a prefill bucket stores: its prefix snapshots, and with
+        speculative decoding the k states of each verified sequence."""
+        return (self.snapshots_per_step(num_tokens, num_seqs)
+                + min(num_seqs * self.num_speculative_tokens, num_tokens))

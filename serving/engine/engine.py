@@ -22,6 +22,20 @@ Race freedom, by construction:
      scheduled until the transfer is reported complete (`finish_transfer`).
 Stale outputs (a request finished, aborted or preempted while a step holding
 it was in flight) are recognised by the request's epoch and dropped.
+
+Speculative decoding (`num_speculative_tokens` k, drafter.py) runs each step to its end
+before the next is scheduled: how many drafts a verify step accepts decides where the
+next step starts. A step is then: schedule (a decoding request feeds its last token and
+its drafts), dispatch the forward pass and the sampler, read the tokens, accept, and
+dispatch the draft program over what was accepted. A row's token is drawn as without
+drafts (the sampler's draw is a function of the request's seed and the position), and
+the drafts are accepted while each equals the token drawn before it; the first token
+that differs from its draft ends the run and is kept. For greedy drafts this is
+rejection sampling (accept a draft d with probability p(d), else draw from p without d),
+so the output keeps the target distribution, and every request gets the tokens it gets
+without drafts, greedy or seeded. The GDN state after the accepted tokens is the verify
+step's state after that token (`EngineConfig.verify_row`), which the next step starts
+from; KV written at rejected positions lies past the request's length and is rewritten.
 """
 
 import dataclasses
@@ -37,11 +51,12 @@ from serving.bucket_counts import ITERATION_TOKENS, BucketCounts
 from serving.engine.block_pool import BlockPool
 from serving.engine.compile_guard import CompileCounter
 from serving.engine.config import EngineConfig
+from serving.engine.drafter import Drafter
 from serving.engine.fence import StepFence
 from serving.engine.idle_timer import IdleTimer
 from serving.engine.outputs import RequestOutput
 from serving.engine.prefix_cache import PrefixCache, SnapshotRows, model_identity
-from serving.engine.request import Request
+from serving.engine.request import Request, Status
 from serving.engine.runner import Runner
 from serving.engine.sampling_params import SamplingParams
 from serving.engine.scheduler import Scheduler
@@ -63,11 +78,13 @@ class Reservation(NamedTuple):
 
 
 class Engine:
-    def __init__(self, model, cache, config: EngineConfig, *, tokenizer=None, batch_type=None):
+    def __init__(self, model, cache, config: EngineConfig, *, tokenizer=None, batch_type=None,
+                 mtp=None):
         """`cache` must be allocated for `config.num_blocks` blocks of
         `config.block_size` positions and `config.num_state_rows` state rows (see
         capacity.py). `batch_type` is the model's Batch class, by default
-        qwen35_jax's; tests pass a stand-in model with its own."""
+        qwen35_jax's; tests pass a stand-in model with its own. `mtp`: the model's MTP
+        head (qwen35_jax.mtp), which speculative decoding drafts with."""
         if batch_type is None:
             from qwen35_jax.batch import Batch as batch_type
         c = self.config = config
@@ -96,13 +113,24 @@ class Engine:
             max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
             max_model_len=c.max_model_len, block_size=c.block_size,
             blocks=self.blocks, slots=self.slots, fence=self.fence, prefix=self.prefix,
-            longest_prefix_first=c.scheduling_policy == "lpm")
+            longest_prefix_first=c.scheduling_policy == "lpm",
+            num_speculative_tokens=c.num_speculative_tokens, verify_row=c.verify_row)
+        self.drafter = None
+        if c.num_speculative_tokens:
+            if mtp is None:
+                raise ValueError("speculative decoding (method mtp) needs the model's MTP head: "
+                                 "this checkpoint has no mtp.* tensors")
+            if c.ep * c.tp > 1:
+                raise ValueError("speculative decoding runs on one device (ep = tp = 1)")
+            self.drafter = Drafter(model, mtp, k=c.num_speculative_tokens,
+                                   num_blocks=c.num_blocks, block_size=c.block_size,
+                                   num_slots=c.num_slots, kv_dtype=cache.kv.dtype)
         self.compiles = CompileCounter()
         self.runner = Runner(model, cache, num_slots=c.num_slots,
                              max_blocks_per_seq=c.max_blocks_per_seq, buckets=c.buckets,
                              num_top_logprobs=c.max_logprobs, batch_type=batch_type,
                              num_state_rows=c.num_state_rows,
-                             snapshots_per_step=c.snapshots_per_step)
+                             snapshots_per_step=c.states_per_step, drafter=self.drafter)
         with self.compiles.phase("warmup"):
             self.warmup_seconds = self.runner.warmup()
         log.info("engine ready: %d programs compiled in %.1f s, %d blocks x %d tokens, %d slots",
@@ -110,12 +138,17 @@ class Engine:
                  c.num_slots)
         self._block_bytes, self._slot_bytes = cache.block_nbytes, cache.slot_nbytes
         self.requests: dict[str, Request] = {}
-        self._inflight: deque = deque()  # (seq, SchedulerOutput, SampleResult)
+        self._inflight: deque = deque()  # (seq, SchedulerOutput, SampleResult, StepInputs)
         self._rng = np.random.default_rng(c.seed)
         self._next_id = 0
         self.idle_timer = IdleTimer() if c.track_device_idle else None
         self.stats = {"steps": 0, "decode_steps": 0, "prefill_steps": 0,
-                      "scheduled_tokens": 0, "padded_tokens": 0}
+                      "scheduled_tokens": 0, "padded_tokens": 0,
+                      # vLLM's vllm:spec_decode_* counters: verified draft runs, their
+                      # drafts, the accepted ones, and those accepted at each position
+                      "spec_decode_num_drafts": 0, "spec_decode_num_draft_tokens": 0,
+                      "spec_decode_num_accepted_tokens": 0}
+        self.accepted_per_position = [0] * c.num_speculative_tokens
         self.iteration_tokens = BucketCounts(ITERATION_TOKENS)  # tokens per step
 
     # ---- requests -------------------------------------------------------
@@ -259,9 +292,10 @@ class Engine:
             seq = self.fence.on_dispatch(out.token)
             if self.idle_timer:
                 self.idle_timer.on_dispatch(seq, t, out.token)
-            self._inflight.append((seq, sched, out))
+            self._inflight.append((seq, sched, out, x))
             self._count(sched, x)
-        keep = 1 if (self.config.async_scheduling and sched.seqs) else 0
+        run_ahead = self.config.async_scheduling and self.drafter is None
+        keep = 1 if (run_ahead and sched.seqs) else 0
         outputs: list[RequestOutput] = []
         while len(self._inflight) > keep:
             outputs += self._process(*self._inflight.popleft())
@@ -300,7 +334,8 @@ class Engine:
                  prefix_cache_hits=self.prefix.hits if self.prefix else 0,
                  cached_blocks=self.blocks.num_evictable,
                  prefix_snapshots=len(self.prefix.rows) if self.prefix else 0,
-                 iteration_tokens=self.iteration_tokens.state())
+                 iteration_tokens=self.iteration_tokens.state(),
+                 spec_decode_num_accepted_tokens_per_pos=list(self.accepted_per_position))
         if self.idle_timer:
             m.update(self.idle_timer.counters())
         return m
@@ -362,31 +397,87 @@ class Engine:
         self.iteration_tokens.observe(sched.num_tokens)
         s["padded_tokens"] += len(x.tokens)
 
-    def _process(self, seq: int, sched, out) -> list[RequestOutput]:
+    def _process(self, seq: int, sched, out, x) -> list[RequestOutput]:
         tokens = np.asarray(out.token)  # waits for this step only
         self.fence.mark_completed(seq)
         want_lp = any(s.sample and s.request.params.logprobs is not None for s in sched.seqs)
         if want_lp:
             lp, top_ids, top_lp = (np.asarray(a) for a in (out.logprob, out.top_ids, out.top_logprobs))
+        fed = np.asarray(self.runner.fed) if self.drafter is not None else None
+        per_seq = self.runner.rows(sched.is_decode, 1)
         now = time.perf_counter()
-        outputs = []
+        outputs, accepted = [], [0] * len(sched.seqs)
         for i, s in enumerate(sched.seqs):
             req = s.request
             if not s.sample or s.epoch != req.epoch:
                 continue  # a chunk that samples nothing, or a stale output
             req.num_pending -= 1
-            n = req.params.logprobs
-            logprobs = None
-            if n is not None:
-                logprobs = {int(t): float(v) for t, v in zip(top_ids[i, :n], top_lp[i, :n])}
-                logprobs[int(tokens[i])] = float(lp[i])
-            new = int(tokens[i])
-            self._append_token(req, new, logprobs, now)
+            base = i * per_seq
+            if s.num_drafts:
+                accepted[i] = self._accept(req, s, tokens[base:base + s.num_drafts],
+                                           fed[x.cu_seqlens[i + 1] - s.num_drafts:x.cu_seqlens[i + 1]])
+            new = []
+            for row in range(base, base + accepted[i] + 1):
+                n = req.params.logprobs
+                logprobs = None
+                if n is not None:
+                    logprobs = {int(t): float(v) for t, v in zip(top_ids[row, :n], top_lp[row, :n])}
+                    logprobs[int(tokens[row])] = float(lp[row])
+                new.append(int(tokens[row]))
+                self._append_token(req, new[-1], logprobs, now)
+                if req.is_finished:
+                    break
             if req.is_finished:
-                outputs.append(self._finished(req, [new]))
+                outputs.append(self._finished(req, new))
             else:
-                outputs.append(self._output(req, [new]))
+                outputs.append(self._output(req, new))
+        if self.drafter is not None:
+            self._draft(sched, x, accepted)
         return outputs
+
+    def _accept(self, req: Request, s, drawn, drafts) -> int:
+        """The drafts of `s` kept: the leading ones that equal the token drawn before
+        each (module docstring). Rewinds the request to the state after them."""
+        n = 0
+        while n < s.num_drafts and drawn[n] == drafts[n]:
+            self.accepted_per_position[n] += 1
+            n += 1
+        req.num_computed_tokens = s.start + 1 + n
+        req.verify_state = self.config.verify_row(req.slot, n) if n < s.num_drafts else None
+        st = self.stats
+        st["spec_decode_num_drafts"] += 1
+        st["spec_decode_num_draft_tokens"] += s.num_drafts
+        st["spec_decode_num_accepted_tokens"] += n
+        return n
+
+    def _draft(self, sched, x, accepted: list[int]) -> None:
+        """Dispatch the draft program over the step's positions whose next token is now
+        known (drafter.py), for the requests still running; those whose step reached
+        their last known token get drafts."""
+        d = self.drafter.empty(len(x.tokens), len(x.start_pos), x.block_tables.shape[1])
+        bs, pos = self.config.block_size, 0
+        for i, s in enumerate(sched.seqs):
+            req = s.request
+            d.cu_seqlens[i + 1] = pos
+            if req.status is not Status.RUNNING or s.epoch != req.epoch:
+                continue
+            fed = s.num_tokens - s.num_drafts + accepted[i]
+            m = min(fed, req.num_known_tokens - 1 - s.start)
+            d.rows[pos:pos + m] = x.cu_seqlens[i] + np.arange(m)
+            d.tokens[pos:pos + m] = req.token_slice(s.start + 1, s.start + 1 + m)
+            pos += m
+            d.cu_seqlens[i + 1] = pos
+            d.start_pos[i] = s.start
+            d.block_tables[i] = x.block_tables[i]
+            req.num_drafts = 0
+            if s.sample and m > 0:
+                last = s.start + m - 1  # the head's last position: drafts go after it
+                req.num_drafts = min(self.drafter.k, len(req.block_ids) * bs - last)
+                d.num_drafts[i] = req.num_drafts
+                d.slot[i] = req.slot
+        d.cu_seqlens[len(sched.seqs) + 1:] = pos
+        if pos:
+            self.fence.on_dispatch(self.drafter.run(self.runner.hidden, d))
 
     def _append_token(self, req: Request, token: int, logprobs, now: float) -> None:
         req.output_token_ids.append(token)

@@ -52,6 +52,10 @@ class Request:
     num_registered_blocks: int = 0
     num_cached_tokens: int | None = None
     divergence: int | None = None  # where its prompt leaves the longest cached one
+    # speculative decoding: drafts waiting in the draft buffer for the next step, and the
+    # state row the last verify step left its GDN state in (None: its slot)
+    num_drafts: int = 0
+    verify_state: int | None = None
 
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None

@@ -52,29 +52,38 @@ class StepInputs:
     """Host-built inputs of one step, padded to a bucket (numpy until dispatched)."""
     tokens: np.ndarray  # i32 [T]
     from_slot: np.ndarray  # i32 [T]: read the token from last_token[slot] when >= 0
+    from_draft: np.ndarray  # i32 [T]: read the token from the flat draft buffer when >= 0
     cu_seqlens: np.ndarray  # i32 [N+1]
     start_pos: np.ndarray  # i32 [N]
     slots: np.ndarray  # i32 [N]; num_state_rows = padding
     init_slots: np.ndarray  # i32 [N]: row of the initial GDN state (a snapshot on a hit)
     block_tables: np.ndarray  # i32 [N, M]
-    logits_indices: np.ndarray  # i32 [N]
-    sample_slot: np.ndarray  # i32 [N]: where to store the sampled token; num_slots = nowhere
+    logits_indices: np.ndarray  # i32 [L]: L = N rows, or N * (k + 1) with k drafts (rows_per_seq)
+    sample_slot: np.ndarray  # i32 [L]: where to store the sampled token; num_slots = nowhere
     snapshot_ends: np.ndarray  # i32 [S]: packed token ends of GDN snapshots (prefill only)
     snapshot_slots: np.ndarray  # i32 [S]: their rows; num_state_rows = none
     sampling: SamplingArrays
 
 
-def _forward(graphdef, treedef, batch_type, leaves, cache, last_token, x: StepInputs,
-             is_decode: bool):
+def _forward(graphdef, treedef, batch_type, with_hidden, leaves, cache, last_token, drafts,
+             x: StepInputs, is_decode: bool):
+    """(cache, logits), and with `with_hidden` (a drafter reads them) the normalised
+    hidden state of every token and the tokens the step fed."""
     tokens = jnp.where(x.from_slot >= 0, last_token[jnp.maximum(x.from_slot, 0)], x.tokens)
+    tokens = jnp.where(x.from_draft >= 0, drafts.reshape(-1)[jnp.maximum(x.from_draft, 0)],
+                       tokens)
     batch = batch_type(tokens=tokens, cu_seqlens=x.cu_seqlens, start_pos=x.start_pos,
                        slots=x.slots, block_tables=x.block_tables,
                        logits_indices=x.logits_indices, init_slots=x.init_slots,
                        snapshot_ends=x.snapshot_ends, snapshot_slots=x.snapshot_slots,
                        is_decode=is_decode)
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
-    logits, cache = model.forward(batch, cache)
-    return cache, logits
+    if not with_hidden:
+        logits, cache = model.forward(batch, cache)
+        return cache, logits
+    h, cache = model.hidden(batch, cache)
+    h = model.norm(h)
+    return cache, model.head(h[batch.logits_indices]), h, tokens
 
 
 def _sample(num_top, logits, last_token, sampling: SamplingArrays, sample_slot, mode):
@@ -85,10 +94,12 @@ def _sample(num_top, logits, last_token, sampling: SamplingArrays, sample_slot, 
 class Runner:
     def __init__(self, model: nnx.Module, cache, *, num_slots: int, max_blocks_per_seq: int,
                  buckets: Buckets, num_top_logprobs: int, batch_type, num_state_rows=None,
-                 snapshots_per_step=lambda t, n: 0):
+                 snapshots_per_step=lambda t, n: 0, drafter=None):
         """`num_state_rows`: rows of the cache's state arrays (default `num_slots`; more
-        hold prefix-cache snapshots); `snapshots_per_step(T, N)`: GDN snapshots a
-        prefill bucket emits."""
+        hold prefix-cache snapshots and verify states); `snapshots_per_step(T, N)`: GDN
+        snapshots a prefill bucket emits; `drafter` (speculative decoding): its k
+        drafts are verified by prefill programs, which return k + 1 logits rows a
+        sequence, and every program returns its hidden states for the draft program."""
         graphdef, state = nnx.split(model)
         self._leaves, treedef = jax.tree.flatten(state)
         self.cache = cache
@@ -97,17 +108,22 @@ class Runner:
         fwd_s, smp_s = {}, {}
         if self.mesh is not None:
             cache_s = jax.tree.map(lambda a: a.sharding, cache)
-            fwd_s = dict(in_shardings=([a.sharding for a in self._leaves], cache_s, rep, rep),
-                         out_shardings=(cache_s, rep))
+            fwd_s = dict(in_shardings=([a.sharding for a in self._leaves], cache_s, rep, rep,
+                                       rep),
+                         out_shardings=(cache_s, rep) + ((rep, rep) if drafter else ()))
             smp_s = dict(in_shardings=(rep, rep, rep, rep), out_shardings=(rep, rep))
         self.last_token = jnp.zeros((num_slots,), jnp.int32, device=rep)
+        self.drafter = drafter
+        self.k = drafter.k if drafter else 0
+        # the draft buffer of a drafter, else a stand-in the programs never read
+        self._no_drafts = jnp.zeros((1, 1), jnp.int32, device=rep)
         self.num_slots = num_slots
         self.num_state_rows = num_slots if num_state_rows is None else num_state_rows
         self.snapshots_per_step = snapshots_per_step
         self.max_blocks_per_seq = max_blocks_per_seq
         self.buckets = buckets
-        self._fn = jax.jit(partial(_forward, graphdef, treedef, batch_type),
-                           static_argnums=4, donate_argnums=1, **fwd_s)
+        self._fn = jax.jit(partial(_forward, graphdef, treedef, batch_type, drafter is not None),
+                           static_argnums=5, donate_argnums=1, **fwd_s)
         self._sample_fn = jax.jit(partial(_sample, num_top_logprobs), static_argnums=4,
                                   donate_argnums=1, **smp_s)
         self._programs = {}  # (is_decode, T, N) -> compiled forward pass
@@ -123,7 +139,8 @@ class Runner:
         by its bucket as it is lowered and compiled."""
         t0 = time.perf_counter()
         shapes = self.buckets.all_shapes()
-        samplers = [(n, mode) for n in sorted({n for _, _, n in shapes}) for mode in SAMPLER_MODES]
+        rows = sorted({self.rows(d, n) for d, _, n in shapes})
+        samplers = [(n, mode) for n in rows for mode in SAMPLER_MODES]
         names = [f"{'decode' if d else 'prefill'} T={t} N={n}" for d, t, n in shapes]
         names += [f"sampler N={n} {_mode_name(mode)}" for n, mode in samplers]
         bar = tqdm(total=2 * len(names), desc="compiling step programs", unit="step",
@@ -140,6 +157,10 @@ class Runner:
                                                                           row.dtype)))
             bar.update()
         programs = [None] * len(lowered)
+        if self.drafter is not None:  # one draft program a bucket, beside the forward's
+            hidden = {(t, n): lo.out_info[2] for (_, t, n), lo in zip(shapes, lowered)}
+            for (t, n), h in hidden.items():
+                self.drafter.compile(t, n, self.max_blocks_per_seq, h)
         with ThreadPoolExecutor(compile_threads) as pool:
             done = {pool.submit(lo.compile): i for i, lo in enumerate(lowered)}
             for future in as_completed(done):
@@ -152,10 +173,11 @@ class Runner:
         self.rewrites_whole_cache = any(rewrites_whole_cache(p.as_text(), self.cache)
                                         for p in programs[:len(shapes)])
         self._samplers = dict(zip(samplers, programs[len(shapes):]))
-        logits = {}  # N -> the logits of one padding step with N rows
+        logits = {}  # L -> the logits of one padding step with L rows
         for is_decode, t, n in shapes:
-            self.cache, logits[n] = self._programs[is_decode, t, n](
-                self._leaves, self.cache, self.last_token, self._empty(t, n, is_decode))
+            self.cache, logits[self.rows(is_decode, n)], *_ = self._programs[is_decode, t, n](
+                self._leaves, self.cache, self.last_token, self._drafts(),
+                self._empty(t, n, is_decode))
         for n, mode in samplers:
             out = self._run_sampler(self._empty(1, n), mode, logits[n])
         jax.block_until_ready(out)
@@ -164,13 +186,21 @@ class Runner:
 
     def _lower(self, is_decode: bool, t: int, n: int):
         with jax.set_mesh(self.mesh) if self.mesh is not None else nullcontext():
-            return self._fn.lower(self._leaves, self.cache, self.last_token,
+            return self._fn.lower(self._leaves, self.cache, self.last_token, self._drafts(),
                                   self._empty(t, n, is_decode), is_decode)
 
     def _lower_sampler(self, mode, logits: jax.ShapeDtypeStruct):
         x = self._empty(1, logits.shape[0])
         with jax.set_mesh(self.mesh) if self.mesh is not None else nullcontext():
             return self._sample_fn.lower(logits, self.last_token, x.sampling, x.sample_slot, mode)
+
+    def rows(self, is_decode: bool, n: int) -> int:
+        """Logits rows of a bucket of `n` sequences: k + 1 a sequence in the prefill
+        programs of a speculative engine (its verify steps), else one."""
+        return n if is_decode else n * (self.k + 1)
+
+    def _drafts(self):
+        return self.drafter.drafts if self.drafter is not None else self._no_drafts
 
     def addresses(self) -> list[int]:
         arrays = jax.tree.leaves((self.cache, self.last_token))
@@ -197,27 +227,36 @@ class Runner:
 
     def _empty(self, t: int, n: int, is_decode: bool = True) -> StepInputs:
         s = 0 if is_decode else self.snapshots_per_step(t, n)
+        rows = self.rows(is_decode, n)
         return StepInputs(
             tokens=np.zeros(t, np.int32), from_slot=np.full(t, -1, np.int32),
+            from_draft=np.full(t, -1, np.int32),
             cu_seqlens=np.zeros(n + 1, np.int32), start_pos=np.zeros(n, np.int32),
             slots=np.full(n, self.num_state_rows, np.int32),
             init_slots=np.full(n, self.num_state_rows, np.int32),
             block_tables=np.zeros((n, self.max_blocks_per_seq), np.int32),
-            logits_indices=np.zeros(n, np.int32), sample_slot=np.full(n, self.num_slots, np.int32),
+            logits_indices=np.zeros(rows, np.int32),
+            sample_slot=np.full(rows, self.num_slots, np.int32),
             snapshot_ends=np.zeros(s, np.int32),
             snapshot_slots=np.full(s, self.num_state_rows, np.int32),
-            sampling=SamplingArrays.host(n))
+            sampling=SamplingArrays.host(rows))
 
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
+        """The step's inputs. A sequence with drafts feeds its last token, then its drafts
+        read from the draft buffer, and gets a logits row for each (row i * (k + 1) + r of
+        sequence i); any other gets one row, its last token's."""
         t, n = self.buckets.pick(sched.is_decode, sched.num_tokens, len(sched.seqs))
         x = self._empty(t, n, sched.is_decode)
+        per_seq = self.rows(sched.is_decode, 1)
         pos = snap = 0
         for i, s in enumerate(sched.seqs):
             req = s.request
-            stop = min(s.start + s.num_tokens, req.num_known_tokens)
+            stop = min(s.start + s.num_tokens - s.num_drafts, req.num_known_tokens)
             x.tokens[pos:pos + stop - s.start] = req.token_slice(s.start, stop)
-            if stop < s.start + s.num_tokens:  # the one token still in flight
+            if stop < s.start + s.num_tokens - s.num_drafts:  # the one token still in flight
                 x.from_slot[pos + stop - s.start] = req.slot
+            first = pos + s.num_tokens - s.num_drafts  # packed index of the first draft
+            x.from_draft[first:first + s.num_drafts] = req.slot * self.k + np.arange(s.num_drafts)
             pos += s.num_tokens
             x.cu_seqlens[i + 1] = pos
             x.start_pos[i] = s.start
@@ -228,17 +267,19 @@ class Runner:
                 x.snapshot_slots[snap] = row
                 snap += 1
             x.block_tables[i, :len(req.block_ids)] = req.block_ids
-            x.logits_indices[i] = pos - 1
-            if s.sample:
-                p = req.params
-                x.sample_slot[i] = req.slot
-                x.sampling.temperature[i] = p.temperature
-                x.sampling.top_k[i] = p.top_k
-                x.sampling.top_p[i] = p.top_p
-                x.sampling.min_p[i] = p.min_p
-                x.sampling.seed[i] = req.seed
-                x.sampling.logprobs[i] = p.logprobs is not None
-                x.sampling.position[i] = s.start + s.num_tokens
+            for r in range(s.num_drafts + 1):
+                row = i * per_seq + r
+                x.logits_indices[row] = first - 1 + r
+                if s.sample:
+                    p = req.params
+                    x.sample_slot[row] = req.slot if self.k == 0 else self.num_slots
+                    x.sampling.temperature[row] = p.temperature
+                    x.sampling.top_k[row] = p.top_k
+                    x.sampling.top_p[row] = p.top_p
+                    x.sampling.min_p[row] = p.min_p
+                    x.sampling.seed[row] = req.seed
+                    x.sampling.logprobs[row] = p.logprobs is not None
+                    x.sampling.position[row] = s.start + s.num_tokens - s.num_drafts + r
         x.cu_seqlens[len(sched.seqs) + 1:] = pos
         return x
 
@@ -248,11 +289,14 @@ class Runner:
         key = (is_decode, len(x.tokens), len(x.start_pos))
         if key not in self._programs:  # outside the buckets: the compile guard reports it
             self._programs[key] = self._lower(*key).compile()
-        self.cache, logits = self._programs[key](self._leaves, self.cache, self.last_token, x)
+        self.cache, logits, *extra = self._programs[key](self._leaves, self.cache,
+                                                         self.last_token, self._drafts(), x)
+        if extra:  # a speculative engine's: the draft program reads them
+            self.hidden, self.fed = extra
         return self._run_sampler(x, x.sampling.mode(), logits)
 
     def _run_sampler(self, x: StepInputs, mode, logits) -> SampleResult:
-        key = (len(x.start_pos), mode)
+        key = (len(x.logits_indices), mode)
         if key not in self._samplers:
             aval = jax.ShapeDtypeStruct(logits.shape, logits.dtype)
             self._samplers[key] = self._lower_sampler(mode, aval).compile()

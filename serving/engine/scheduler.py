@@ -60,8 +60,9 @@ class ScheduledSeq:
     num_tokens: int  # tokens fed this step
     sample: bool  # the chunk reaches the end of the known tokens: its logits are used
     epoch: int
-    restore: int | None = None  # snapshot row of the initial GDN state (a prefix hit)
+    restore: int | None = None  # row of the initial GDN state (a prefix hit, a verify state)
     snapshots: list[tuple[int, int]] = field(default_factory=list)  # (position, row)
+    num_drafts: int = 0  # the last of the num_tokens are drafts to verify
 
 
 @dataclass
@@ -77,7 +78,12 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  block_size: int, blocks: BlockPool, slots: SlotPool, fence: StepFence,
-                 prefix: PrefixCache | None = None, longest_prefix_first: bool = False):
+                 prefix: PrefixCache | None = None, longest_prefix_first: bool = False,
+                 num_speculative_tokens: int = 0, verify_row=None):
+        """`num_speculative_tokens` k: a decoding request with drafts (`Request.num_drafts`,
+        set by the engine's drafter) feeds its last token and up to k drafts, and its GDN
+        state after each fed token but the last is kept in row `verify_row(slot, r)`
+        (r < k), so the engine can resume from the state after the accepted ones."""
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -87,6 +93,8 @@ class Scheduler:
         self.fence = fence
         self.prefix = prefix
         self.longest_prefix_first = longest_prefix_first and prefix is not None
+        self.k = num_speculative_tokens
+        self.verify_row = verify_row
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order
         self.transferring: dict[str, Request] = {}
@@ -238,6 +246,8 @@ class Scheduler:
             n = min(left, budget)
             if n <= 0:
                 break
+            drafts = self._drafts(req, budget) if left == 1 else 0
+            n += drafts
             while not self._grow(req, req.num_computed_tokens + n, may_wait=True):
                 victim = next((r for r in reversed(self.running)
                                if id(r) not in scheduled and r is not req), req)
@@ -246,7 +256,7 @@ class Scheduler:
                 if victim is req:
                     break
             if req.status is Status.RUNNING:
-                seqs.append(self._take(req, n))
+                seqs.append(self._take(req, n, req.verify_state, drafts))
                 scheduled.add(id(req))
                 budget -= n
         def room() -> bool:
@@ -377,13 +387,25 @@ class Scheduler:
             return 0
         return req.num_tokens - req.num_computed_tokens
 
-    def _take(self, req: Request, n: int, restore: int | None = None) -> ScheduledSeq:
+    def _drafts(self, req: Request, budget: int) -> int:
+        """Drafts a decoding request feeds this step: what it has, within its token limits
+        and the step's budget."""
+        return max(0, min(req.num_drafts, budget - 1,
+                          req.params.max_tokens - req.num_generated - 1,
+                          self.max_model_len - req.num_tokens - 1))
+
+    def _take(self, req: Request, n: int, restore: int | None = None,
+              drafts: int = 0) -> ScheduledSeq:
+        """Schedule `n` tokens of `req`, the last `drafts` of them drafts: counted as
+        computed until the engine learns how many it accepts."""
         start = req.num_computed_tokens
         req.num_computed_tokens += n
-        sample = req.num_computed_tokens == req.num_tokens
+        sample = req.num_computed_tokens - drafts == req.num_tokens
         if sample:
             req.num_pending += 1
-        return ScheduledSeq(req, start, n, sample, req.epoch, restore)
+        s = ScheduledSeq(req, start, n, sample, req.epoch, restore, num_drafts=drafts)
+        s.snapshots = [(start + 1 + r, self.verify_row(req.slot, r)) for r in range(drafts)]
+        return s
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -412,6 +434,7 @@ class Scheduler:
         """Back to the head of the queue, holding no memory, to compute its prompt
         again from the start (under "lpm" as one passed over too often: first)."""
         req.num_computed_tokens = 0
+        req.num_drafts, req.verify_state = 0, None
         req.num_passed = MAX_PASSED
         req.status = Status.WAITING
         self.waiting.appendleft(req)

@@ -60,6 +60,10 @@ def main(argv=None):
     use_compilation_cache(a.compilation_cache_dir)
     dtype = jnp.dtype(a.dtype) if a.dtype else default_dtype()
     config = EngineConfig(seed=a.seed, **engine_kwargs(a))
+    if config.num_speculative_tokens:
+        raise SystemExit("python -m serving.worker: --speculative-config is served by the "
+                         "aggregated server (python -m serving.api); the disaggregated "
+                         "workers do not draft yet")
     model = load_model(name, dtype, a.seed, config.mesh(), a.hf_overrides, a.quantization)
     config.eos_token_ids = tuple(model.config.eos_token_ids)
     t0 = time.perf_counter()

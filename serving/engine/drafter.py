@@ -1,0 +1,122 @@
+"""MTP drafting: the program a speculative engine runs after each step.
+
+The MTP head (``qwen35_jax.mtp``) at position ``t`` reads the target's normalised hidden
+state after token ``t`` and the embedding of token ``t+1``, writes its own KV at ``t``
+and predicts token ``t+2``. After a step, once the host knows which tokens it kept,
+the draft program runs the head over every position of the step whose next token is
+now known (a prompt chunk's positions; a verify step's accepted positions, the last
+one with the token sampled after it), reading the step's hidden states. From each
+decoding sequence's last such position it drafts k tokens: the first from the head's
+output there, each further one from the head at the next position, fed the previous
+draft and the head's own output in place of the target's hidden state (as vLLM's MTP
+proposer does). Drafts are greedy (argmax), and land in a per-slot buffer on the
+device that the next verify step reads its tokens from.
+
+A draft position the sequence holds no block for yet is not drafted (a sequence gets
+fewer drafts that step): the head never writes outside a sequence's blocks. Its KV at
+positions the next verify step rejects is rewritten by the next draft program, as the
+target's KV is by the next step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from qwen35_jax.batch import Batch, StepMeta, step_meta
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class DraftInputs:
+    """Host-built inputs of one draft program, in the target step's bucket (T, N)."""
+    rows: np.ndarray  # i32 [T]: the target step's hidden row of each head position
+    tokens: np.ndarray  # i32 [T]: the token after each position
+    cu_seqlens: np.ndarray  # i32 [N+1]
+    start_pos: np.ndarray  # i32 [N]: position of each sequence's first head token
+    block_tables: np.ndarray  # i32 [N, M]
+    num_drafts: np.ndarray  # i32 [N]: drafts to make (0: none)
+    slot: np.ndarray  # i32 [N]: row of the draft buffer (num_slots: nowhere)
+
+
+def _draft(graphdef, treedef, mtp_graphdef, mtp_treedef, num_blocks, block_size, k,
+           leaves, mtp_leaves, kv, drafts, hidden, x: DraftInputs):
+    model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+    mtp = nnx.merge(mtp_graphdef, jax.tree.unflatten(mtp_treedef, mtp_leaves))
+    n = x.start_pos.shape[0]
+    zeros = jnp.zeros((n,), jnp.int32)
+    batch = Batch(tokens=x.tokens, cu_seqlens=x.cu_seqlens, start_pos=x.start_pos, slots=zeros,
+                  block_tables=x.block_tables, logits_indices=zeros)
+    meta = step_meta(batch, num_blocks=num_blocks, block_size=block_size)
+    out, kv = mtp(hidden[x.rows], model.embed_tokens(x.tokens), kv, meta)
+    last = jnp.maximum(x.cu_seqlens[1:] - 1, 0)
+    h = out[last]
+    token = jnp.argmax(model.head(h), axis=-1).astype(jnp.int32)
+    position = x.start_pos + x.cu_seqlens[1:] - x.cu_seqlens[:-1]  # of the draft's input
+    made = [token]
+    for i in range(1, k):
+        valid = x.num_drafts > i
+        h, kv = mtp(h, model.embed_tokens(token), kv,
+                    _decode_meta(position + i - 1, valid, x.block_tables, num_blocks, block_size))
+        token = jnp.argmax(model.head(h), axis=-1).astype(jnp.int32)
+        made.append(token)
+    return kv, drafts.at[x.slot].set(jnp.stack(made, axis=1), mode="drop")
+
+
+def _decode_meta(positions, valid, block_tables, num_blocks, block_size) -> StepMeta:
+    """One head token per sequence at `positions`; a sequence not `valid` writes nothing."""
+    n = positions.shape[0]
+    seq = jnp.arange(n, dtype=jnp.int32)
+    blk = jnp.take_along_axis(block_tables, (positions // block_size)[:, None], 1)[:, 0]
+    return StepMeta(positions=positions, seq_ids=seq,
+                    kv_block_ids=jnp.where(valid, blk, num_blocks),
+                    kv_offsets=positions % block_size, block_tables=block_tables,
+                    cu_seqlens=jnp.arange(n + 1, dtype=jnp.int32), slots=seq, init_slots=seq,
+                    has_state=valid, snapshot_ends=None, snapshot_slots=None, is_decode=True)
+
+
+class Drafter:
+    """The MTP head, its paged KV (the target's blocks and block tables, one layer) and the
+    per-slot buffer of drafts; compiles one draft program per target bucket."""
+
+    def __init__(self, model, mtp, *, k: int, num_blocks: int, block_size: int,
+                 num_slots: int, kv_dtype):
+        graphdef, state = nnx.split(model)
+        self._leaves, treedef = jax.tree.flatten(state)
+        mtp_graphdef, mtp_state = nnx.split(mtp)
+        self._mtp_leaves, mtp_treedef = jax.tree.flatten(mtp_state)
+        self.k, self.num_slots, self.block_size = k, num_slots, block_size
+        self.kv = jnp.zeros(mtp.kv_shape(model.config, num_blocks, block_size), kv_dtype)
+        self.drafts = jnp.zeros((num_slots, k), jnp.int32)
+        self._fn = jax.jit(partial(_draft, graphdef, treedef, mtp_graphdef, mtp_treedef,
+                                   num_blocks, block_size, k), donate_argnums=(2, 3))
+        self._programs = {}
+
+    def compile(self, t: int, n: int, max_blocks: int, hidden) -> None:
+        """Compile the program of bucket (T, N) for hidden states like `hidden`."""
+        x = self.empty(t, n, max_blocks)
+        self._programs[t, n] = self._fn.lower(self._leaves, self._mtp_leaves, self.kv,
+                                              self.drafts, hidden, x).compile()
+
+    def empty(self, t: int, n: int, max_blocks: int) -> DraftInputs:
+        """All padding: no head token, no draft."""
+        return DraftInputs(rows=np.zeros(t, np.int32), tokens=np.zeros(t, np.int32),
+                           cu_seqlens=np.zeros(n + 1, np.int32), start_pos=np.zeros(n, np.int32),
+                           block_tables=np.zeros((n, max_blocks), np.int32),
+                           num_drafts=np.zeros(n, np.int32),
+                           slot=np.full(n, self.num_slots, np.int32))
+
+    def run(self, hidden, x: DraftInputs):
+        """Dispatch the draft program; returns the draft buffer (a device array) without
+        waiting."""
+        key = (len(x.rows), len(x.start_pos))
+        if key not in self._programs:
+            self.compile(*key, x.block_tables.shape[1], hidden)
+        self.kv, self.drafts = self._programs[key](self._leaves, self._mtp_leaves, self.kv,
+                                                   self.drafts, hidden, x)
+        return self.drafts
