@@ -53,6 +53,8 @@ def plan_capacity(model_cfg, config: EngineConfig, dtype, memory_stats: dict | N
     dtype = cache_dtype(dtype)
     split = _splits(model_cfg, mesh)
     block_bytes = HybridCache.bytes_per_block(model_cfg, config.block_size, dtype) // split.kv
+    if config.num_speculative_tokens:  # the MTP head's KV: one more attention layer a block
+        block_bytes += block_bytes // model_cfg.num_groups
     s = HybridCache.shapes(model_cfg, 1, 1, 1)
     slot_bytes = (math.prod(s["conv"]) * jnp.dtype(dtype).itemsize // split.conv
                   + math.prod(s["ssm"]) * ssm_dtype.itemsize // split.ssm)
