@@ -5,7 +5,9 @@ Layouts are chosen for the transfer layer: the KV pool is block-major
 layer is one contiguous region) and the state pools are slot-major
 ``[num_slots, G, R, ...]`` (one request's conv or recurrent state of every GDN
 layer is one region).  A request therefore moves with one descriptor per run
-of consecutive blocks plus two for its state.
+of consecutive blocks plus two for its state. With speculative decoding the KV pool
+holds one layer more, after the model's: the MTP head's (``qwen35_jax.mtp``), so its
+KV lives in the request's blocks and moves, is cached and freed with them.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from qwen35_jax.config import Qwen35Config
 
 @struct.dataclass
 class HybridCache:
-    kv: jnp.ndarray  # [num_blocks, G, 2, block_size, KV, head_dim]
+    kv: jnp.ndarray  # [num_blocks, G (+1: the MTP head's), 2, block_size, KV, head_dim]
     conv: jnp.ndarray  # [num_slots, G, R, K-1, conv_dim]
     ssm: jnp.ndarray  # [num_slots, G, R, Hv, dk, dv]
 
@@ -48,25 +50,29 @@ class HybridCache:
         return (self.conv.nbytes + self.ssm.nbytes) // self.num_slots
 
     @staticmethod
-    def shapes(cfg: Qwen35Config, num_blocks: int, block_size: int, num_slots: int):
+    def shapes(cfg: Qwen35Config, num_blocks: int, block_size: int, num_slots: int,
+               mtp_layers: int = 0):
         g, r = cfg.num_groups, cfg.gdn_per_group
         return dict(
-            kv=(num_blocks, g, 2, block_size, cfg.num_key_value_heads, cfg.head_dim),
+            kv=(num_blocks, g + mtp_layers, 2, block_size, cfg.num_key_value_heads,
+                cfg.head_dim),
             conv=(num_slots, g, r, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim),
             ssm=(num_slots, g, r, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                  cfg.linear_value_head_dim))
 
     @classmethod
     def allocate(cls, cfg: Qwen35Config, *, num_blocks: int, block_size: int, num_slots: int,
-                 dtype=jnp.bfloat16, ssm_dtype=jnp.float32) -> "HybridCache":
+                 dtype=jnp.bfloat16, ssm_dtype=jnp.float32, mtp_layers: int = 0
+                 ) -> "HybridCache":
         """Allocate once; steps update these arrays in place (donated)."""
-        s = cls.shapes(cfg, num_blocks, block_size, num_slots)
+        s = cls.shapes(cfg, num_blocks, block_size, num_slots, mtp_layers)
         return cls(kv=jnp.zeros(s["kv"], dtype), conv=jnp.zeros(s["conv"], dtype),
                    ssm=jnp.zeros(s["ssm"], ssm_dtype))
 
     @staticmethod
-    def bytes_per_block(cfg: Qwen35Config, block_size: int, dtype=jnp.bfloat16) -> int:
-        shape = HybridCache.shapes(cfg, 1, block_size, 1)["kv"]
+    def bytes_per_block(cfg: Qwen35Config, block_size: int, dtype=jnp.bfloat16,
+                        mtp_layers: int = 0) -> int:
+        shape = HybridCache.shapes(cfg, 1, block_size, 1, mtp_layers)["kv"]
         return math.prod(shape) * np.dtype(dtype).itemsize
 
     @staticmethod

@@ -8,8 +8,10 @@ head predicts token ``t+2``::
     h'' = one full-attention decoder layer (dense MLP or MoE, as the model)
     logits = lm_head(norm(h''))                          # the model's own LM head
 
-Its attention layer keeps its own paged KV ``[num_blocks, 1, 2, block_size, KV, head_dim]``
-at the positions of the tokens it reads (``t``).
+Its attention layer keeps paged KV at the positions of the tokens it reads (``t``): a
+layer ``layer`` of a ``[num_blocks, L, 2, block_size, KV, head_dim]`` pool (its own
+one-layer pool in training; in serving the layer after the model's in the hybrid
+cache, ``qwen35_jax.cache``).
 """
 
 from __future__ import annotations
@@ -33,12 +35,12 @@ class MTP(nnx.Module):
         self.layer = AttentionDecoderLayer(cfg, rngs=rngs, dtype=dtype)
         self.norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
 
-    def __call__(self, hidden, next_embeds, kv, meta: StepMeta):
+    def __call__(self, hidden, next_embeds, kv, meta: StepMeta, layer=0):
         """hidden, next_embeds [T, D] -> (the head's normalised output [T, D], kv); the LM
         head of the model turns the output into logits."""
         x = self.fc(jnp.concatenate([self.pre_fc_norm_embedding(next_embeds),
                                      self.pre_fc_norm_hidden(hidden)], axis=-1))
-        h, kv = self.layer(x, kv, 0, meta)
+        h, kv = self.layer(x, kv, layer, meta)
         return self.norm(h), kv
 
     @staticmethod

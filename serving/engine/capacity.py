@@ -52,9 +52,8 @@ def plan_capacity(model_cfg, config: EngineConfig, dtype, memory_stats: dict | N
     ssm_dtype = jnp.dtype(config.ssm_dtype)
     dtype = cache_dtype(dtype)
     split = _splits(model_cfg, mesh)
-    block_bytes = HybridCache.bytes_per_block(model_cfg, config.block_size, dtype) // split.kv
-    if config.num_speculative_tokens:  # the MTP head's KV: one more attention layer a block
-        block_bytes += block_bytes // model_cfg.num_groups
+    block_bytes = HybridCache.bytes_per_block(model_cfg, config.block_size, dtype,
+                                              config.mtp_layers) // split.kv
     s = HybridCache.shapes(model_cfg, 1, 1, 1)
     slot_bytes = (math.prod(s["conv"]) * jnp.dtype(dtype).itemsize // split.conv
                   + math.prod(s["ssm"]) * ssm_dtype.itemsize // split.ssm)
@@ -104,7 +103,8 @@ def allocate_cache(model_cfg, config: EngineConfig, dtype, mesh=None):
 
     make = partial(HybridCache.allocate, model_cfg, num_blocks=config.num_blocks,
                    block_size=config.block_size, num_slots=config.num_state_rows,
-                   dtype=cache_dtype(dtype), ssm_dtype=jnp.dtype(config.ssm_dtype))
+                   dtype=cache_dtype(dtype), ssm_dtype=jnp.dtype(config.ssm_dtype),
+                   mtp_layers=config.mtp_layers)
     if mesh is None:
         return make()
     return jax.jit(make, out_shardings=cache_shardings(model_cfg, mesh))()

@@ -105,6 +105,11 @@ class EngineConfig:
         rows a slot for the states a verify step passes (`verify_row`)."""
         return self.num_slots * (1 + self.num_speculative_tokens) + self.num_prefix_snapshots
 
+    @property
+    def mtp_layers(self) -> int:
+        """KV layers of the cache after the model's: the MTP head's, when it drafts."""
+        return 1 if self.num_speculative_tokens else 0
+
     def verify_row(self, slot: int, r: int) -> int:
         """The state row of slot `slot`'s sequence after the (r + 1)-th token a verify
         step feeds it (r < k)."""

@@ -12,10 +12,12 @@ draft and the head's own output in place of the target's hidden state (as vLLM's
 proposer does). Drafts are greedy (argmax), and land in a per-slot buffer on the
 device that the next verify step reads its tokens from.
 
-A draft position the sequence holds no block for yet is not drafted (a sequence gets
-fewer drafts that step): the head never writes outside a sequence's blocks. Its KV at
-positions the next verify step rejects is rewritten by the next draft program, as the
-target's KV is by the next step.
+The head's KV is the layer after the model's in the hybrid cache's KV pool
+(``qwen35_jax.cache``): it lives in the request's blocks, so it is cached with a prefix
+and moves with a transfer. A draft position the sequence holds no block for yet is not
+drafted (a sequence gets fewer drafts that step): the head never writes outside a
+sequence's blocks. Its KV at positions the next verify step rejects is rewritten by the
+next draft program, as the target's KV is by the next step.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class DraftInputs:
 
 def _draft(graphdef, treedef, mtp_graphdef, mtp_treedef, num_blocks, block_size, k,
            leaves, mtp_leaves, kv, drafts, hidden, x: DraftInputs):
+    """(kv, drafts): the head's KV written at the step's known positions, the drafts."""
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
     mtp = nnx.merge(mtp_graphdef, jax.tree.unflatten(mtp_treedef, mtp_leaves))
     n = x.start_pos.shape[0]
@@ -53,7 +56,8 @@ def _draft(graphdef, treedef, mtp_graphdef, mtp_treedef, num_blocks, block_size,
     batch = Batch(tokens=x.tokens, cu_seqlens=x.cu_seqlens, start_pos=x.start_pos, slots=zeros,
                   block_tables=x.block_tables, logits_indices=zeros)
     meta = step_meta(batch, num_blocks=num_blocks, block_size=block_size)
-    out, kv = mtp(hidden[x.rows], model.embed_tokens(x.tokens), kv, meta)
+    layer = model.config.num_groups  # the head's KV layer, after the model's
+    out, kv = mtp(hidden[x.rows], model.embed_tokens(x.tokens), kv, meta, layer)
     last = jnp.maximum(x.cu_seqlens[1:] - 1, 0)
     h = out[last]
     token = jnp.argmax(model.head(h), axis=-1).astype(jnp.int32)
@@ -62,7 +66,8 @@ def _draft(graphdef, treedef, mtp_graphdef, mtp_treedef, num_blocks, block_size,
     for i in range(1, k):
         valid = x.num_drafts > i
         h, kv = mtp(h, model.embed_tokens(token), kv,
-                    _decode_meta(position + i - 1, valid, x.block_tables, num_blocks, block_size))
+                    _decode_meta(position + i - 1, valid, x.block_tables, num_blocks, block_size),
+                    layer)
         token = jnp.argmax(model.head(h), axis=-1).astype(jnp.int32)
         made.append(token)
     return kv, drafts.at[x.slot].set(jnp.stack(made, axis=1), mode="drop")
@@ -81,26 +86,26 @@ def _decode_meta(positions, valid, block_tables, num_blocks, block_size) -> Step
 
 
 class Drafter:
-    """The MTP head, its paged KV (the target's blocks and block tables, one layer) and the
-    per-slot buffer of drafts; compiles one draft program per target bucket."""
+    """The MTP head and the per-slot buffer of drafts; compiles one draft program per
+    target bucket, which updates the cache's KV pool in place (donated)."""
 
     def __init__(self, model, mtp, *, k: int, num_blocks: int, block_size: int,
-                 num_slots: int, kv_dtype):
+                 num_slots: int):
         graphdef, state = nnx.split(model)
         self._leaves, treedef = jax.tree.flatten(state)
         mtp_graphdef, mtp_state = nnx.split(mtp)
         self._mtp_leaves, mtp_treedef = jax.tree.flatten(mtp_state)
         self.k, self.num_slots, self.block_size = k, num_slots, block_size
-        self.kv = jnp.zeros(mtp.kv_shape(model.config, num_blocks, block_size), kv_dtype)
         self.drafts = jnp.zeros((num_slots, k), jnp.int32)
         self._fn = jax.jit(partial(_draft, graphdef, treedef, mtp_graphdef, mtp_treedef,
                                    num_blocks, block_size, k), donate_argnums=(2, 3))
         self._programs = {}
 
-    def compile(self, t: int, n: int, max_blocks: int, hidden) -> None:
-        """Compile the program of bucket (T, N) for hidden states like `hidden`."""
+    def compile(self, t: int, n: int, max_blocks: int, kv, hidden) -> None:
+        """Compile the program of bucket (T, N) for a KV pool like `kv` and hidden states
+        like `hidden`."""
         x = self.empty(t, n, max_blocks)
-        self._programs[t, n] = self._fn.lower(self._leaves, self._mtp_leaves, self.kv,
+        self._programs[t, n] = self._fn.lower(self._leaves, self._mtp_leaves, kv,
                                               self.drafts, hidden, x).compile()
 
     def empty(self, t: int, n: int, max_blocks: int) -> DraftInputs:
@@ -111,12 +116,12 @@ class Drafter:
                            num_drafts=np.zeros(n, np.int32),
                            slot=np.full(n, self.num_slots, np.int32))
 
-    def run(self, hidden, x: DraftInputs):
-        """Dispatch the draft program; returns the draft buffer (a device array) without
-        waiting."""
+    def run(self, kv, hidden, x: DraftInputs):
+        """Dispatch the draft program on the KV pool `kv` (donated); returns the pool
+        and the draft buffer (device arrays) without waiting."""
         key = (len(x.rows), len(x.start_pos))
         if key not in self._programs:
-            self.compile(*key, x.block_tables.shape[1], hidden)
-        self.kv, self.drafts = self._programs[key](self._leaves, self._mtp_leaves, self.kv,
-                                                   self.drafts, hidden, x)
-        return self.drafts
+            self.compile(*key, x.block_tables.shape[1], kv, hidden)
+        kv, self.drafts = self._programs[key](self._leaves, self._mtp_leaves, kv,
+                                              self.drafts, hidden, x)
+        return kv, self.drafts

@@ -160,7 +160,7 @@ class Runner:
         if self.drafter is not None:  # one draft program a bucket, beside the forward's
             hidden = {(t, n): lo.out_info[2] for (_, t, n), lo in zip(shapes, lowered)}
             for (t, n), h in hidden.items():
-                self.drafter.compile(t, n, self.max_blocks_per_seq, h)
+                self.drafter.compile(t, n, self.max_blocks_per_seq, self.cache.kv, h)
         with ThreadPoolExecutor(compile_threads) as pool:
             done = {pool.submit(lo.compile): i for i, lo in enumerate(lowered)}
             for future in as_completed(done):
@@ -198,6 +198,13 @@ class Runner:
         """Logits rows of a bucket of `n` sequences: k + 1 a sequence in the prefill
         programs of a speculative engine (its verify steps), else one."""
         return n if is_decode else n * (self.k + 1)
+
+    def draft(self, x) -> jax.Array:
+        """Dispatch the drafter's program (`drafter.DraftInputs` x) over the last step's
+        hidden states, updating the cache's KV pool in place; returns the draft buffer."""
+        kv, drafts = self.drafter.run(self.cache.kv, self.hidden, x)
+        self.cache = self.cache.replace(kv=kv)
+        return drafts
 
     def _drafts(self):
         return self.drafter.drafts if self.drafter is not None else self._no_drafts
@@ -256,7 +263,11 @@ class Runner:
             if stop < s.start + s.num_tokens - s.num_drafts:  # the one token still in flight
                 x.from_slot[pos + stop - s.start] = req.slot
             first = pos + s.num_tokens - s.num_drafts  # packed index of the first draft
-            x.from_draft[first:first + s.num_drafts] = req.slot * self.k + np.arange(s.num_drafts)
+            if s.draft_tokens is not None:
+                x.tokens[first:first + s.num_drafts] = s.draft_tokens
+            else:
+                x.from_draft[first:first + s.num_drafts] = (req.slot * self.k
+                                                            + np.arange(s.num_drafts))
             pos += s.num_tokens
             x.cu_seqlens[i + 1] = pos
             x.start_pos[i] = s.start
