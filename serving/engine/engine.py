@@ -173,20 +173,14 @@ class Engine:
 
     def add_remote_request(self, prompt_token_ids: list[int], first_token: int,
                            params: SamplingParams | None = None,
-                           request_id: str | None = None, *, drafts=()) -> str:
+                           request_id: str | None = None) -> str:
         """Queue a request whose prompt was computed elsewhere, to wait for memory that
         a transfer fills: `reserve_transfers` hands out its blocks and slot. ValueError
         if `first_token` (the token the prefill side sampled) is no token or already
-        ends the request. The request is not scheduled until `finish_transfer`.
-        `drafts`: the prefill side's drafts after the first token, which its first step
-        verifies (at most k; ignored without speculative decoding)."""
+        ends the request. The request is not scheduled until `finish_transfer`."""
         if not self._is_token(first_token):
             raise ValueError(f"first token {first_token!r} is not a token id of the vocabulary "
                              f"(size {self.vocab_size})")
-        bad = next((t for t in drafts if not self._is_token(t)), None)
-        if bad is not None or len(drafts) > self.config.num_speculative_tokens > 0:
-            raise ValueError(f"drafts {list(drafts)!r}: at most "
-                             f"{self.config.num_speculative_tokens} token ids of the vocabulary")
         req = self._new_request(prompt_token_ids, params, request_id)
         # a request its first token already ends would never be reported by a step
         reason, _ = check_stop(dataclasses.replace(req, output_token_ids=[first_token]),
@@ -197,9 +191,6 @@ class Engine:
                              f"({reason}): nothing to decode")
         self.scheduler.queue_transfer(req)
         self._append_token(req, first_token, None, time.perf_counter())
-        if self.drafter is not None and drafts:
-            req.host_drafts = [int(t) for t in drafts]
-            req.num_drafts = len(req.host_drafts)
         return req.request_id
 
     def reserve_transfers(self) -> list[Reservation]:
@@ -250,17 +241,6 @@ class Engine:
         if not (req.is_finished and req.hold_on_finish):
             raise ValueError(f"request {request_id} holds no finished request's memory")
         return list(req.block_ids), req.slot
-
-    def drafts(self, request_id: str) -> list[int]:
-        """The drafts a finished held request (`hold_on_finish`) got after its last token
-        (none without speculative decoding): read from the device, so the draft program
-        that made them, and wrote the MTP head's KV in its blocks, has completed."""
-        req = self.requests[request_id]
-        if not (req.is_finished and req.hold_on_finish):
-            raise ValueError(f"request {request_id} is no finished held request")
-        if self.drafter is None or not req.num_drafts:
-            return []
-        return np.asarray(self.drafter.drafts[req.slot, :req.num_drafts]).tolist()
 
     def has_request(self, request_id: str) -> bool:
         """Whether the engine knows the request: unfinished, or finished and held."""
@@ -430,9 +410,6 @@ class Engine:
         per_seq = self.runner.rows(sched.is_decode, 1)
         now = time.perf_counter()
         outputs, accepted = [], [0] * len(sched.seqs)
-        # what the draft program continues: requests still running on this step's output,
-        # and held ones it finished (their memory stays theirs for a transfer)
-        live = [s.epoch == s.request.epoch for s in sched.seqs]
         for i, s in enumerate(sched.seqs):
             req = s.request
             if not s.sample or s.epoch != req.epoch:
@@ -453,13 +430,12 @@ class Engine:
                 self._append_token(req, new[-1], logprobs, now)
                 if req.is_finished:
                     break
-            live[i] = not req.is_finished or (req.hold_on_finish and req.finish_reason != "abort")
             if req.is_finished:
                 outputs.append(self._finished(req, new))
             else:
                 outputs.append(self._output(req, new))
         if self.drafter is not None:
-            self._draft(sched, x, accepted, live)
+            self._draft(sched, x, accepted)
         return outputs
 
     def _accept(self, req: Request, s, drawn, drafts) -> int:
@@ -477,16 +453,16 @@ class Engine:
         st["spec_decode_num_accepted_tokens"] += n
         return n
 
-    def _draft(self, sched, x, accepted: list[int], live: list[bool]) -> None:
+    def _draft(self, sched, x, accepted: list[int]) -> None:
         """Dispatch the draft program over the step's positions whose next token is now
-        known (drafter.py), for the `live` requests; those whose step reached their last
-        known token get drafts."""
+        known (drafter.py), for the requests still running; those whose step reached
+        their last known token get drafts."""
         d = self.drafter.empty(len(x.tokens), len(x.start_pos), x.block_tables.shape[1])
         bs, pos = self.config.block_size, 0
         for i, s in enumerate(sched.seqs):
             req = s.request
             d.cu_seqlens[i + 1] = pos
-            if not live[i] or (not req.is_finished and req.status is not Status.RUNNING):
+            if req.status is not Status.RUNNING or s.epoch != req.epoch:
                 continue
             fed = s.num_tokens - s.num_drafts + accepted[i]
             m = min(fed, req.num_known_tokens - 1 - s.start)

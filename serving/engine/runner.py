@@ -263,11 +263,7 @@ class Runner:
             if stop < s.start + s.num_tokens - s.num_drafts:  # the one token still in flight
                 x.from_slot[pos + stop - s.start] = req.slot
             first = pos + s.num_tokens - s.num_drafts  # packed index of the first draft
-            if s.draft_tokens is not None:
-                x.tokens[first:first + s.num_drafts] = s.draft_tokens
-            else:
-                x.from_draft[first:first + s.num_drafts] = (req.slot * self.k
-                                                            + np.arange(s.num_drafts))
+            x.from_draft[first:first + s.num_drafts] = req.slot * self.k + np.arange(s.num_drafts)
             pos += s.num_tokens
             x.cu_seqlens[i + 1] = pos
             x.start_pos[i] = s.start

@@ -54,9 +54,7 @@ class WorkerBase(EngineConnector):
                  lease_ttl: float = 30.0, fault_injection: bool = False,
                  host: str = "127.0.0.1",
                  transfer_port: int = 0, transfer_interface: str = LOOPBACK, tokenizer=None,
-                 max_queued_requests: int = 1024, mtp=None):
-        """`mtp`: the model's MTP head, for speculative decoding (`config`'s k): the prefill
-        side drafts after the first token, the decode side verifies and drafts on."""
+                 max_queued_requests: int = 1024):
         self.model_name = model_name
         cfg, mesh = model.config, config.mesh()
         self.sharded = mesh is not None
@@ -69,12 +67,11 @@ class WorkerBase(EngineConnector):
             cfg, num_blocks=config.num_blocks, block_size=config.block_size,
             num_slots=config.num_state_rows, dtype=cache_dtype(dtype),
             ssm_dtype=jnp.dtype(config.ssm_dtype),
-            mesh=mesh, mtp_layers=config.mtp_layers)
+            mesh=mesh)
         self.compat = compat_record(cfg, cache, model_name)
         self.regions = {r.name: r for r in regions}
         # the tokenizer checks stop strings, on both sides: the first token can end one
-        engine = Engine(model, cache, config, tokenizer=tokenizer, batch_type=_batch_type(),
-                        mtp=mtp)
+        engine = Engine(model, cache, config, tokenizer=tokenizer, batch_type=_batch_type())
         if engine.runner.rewrites_whole_cache:
             log.warning("a compiled step rewrites a whole 16-bit cache array "
                         "(serving.engine.capacity.cache_dtype): a transfer that overlaps a "

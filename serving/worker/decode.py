@@ -101,8 +101,7 @@ class DecodeWorker(WorkerBase):
         self._claims[request_id] = claim
         params = req.params.params()
         try:
-            stream = await self.engine.add(request_id, prompt, params, first_token=first_token,
-                                           drafts=list(req.draft_token_ids))
+            stream = await self.engine.add(request_id, prompt, params, first_token=first_token)
         except BaseException:
             # Refused, or the engine died before admitting it: the claim is still ours. A
             # request admitted before its caller went away is aborted by the engine's
@@ -114,12 +113,11 @@ class DecodeWorker(WorkerBase):
             raise
         return stream, confirmed
 
-    def admit(self, eng, request_id, prompt, params, *, first_token: int,
-              drafts: list[int]) -> None:
+    def admit(self, eng, request_id, prompt, params, *, first_token: int) -> None:
         """Queue the request for memory (engine thread); ValueError refuses it."""
         if request_id not in self._claims:  # its caller went away before it was admitted
             raise ValueError(f"request {request_id} was withdrawn")
-        eng.add_remote_request(prompt, first_token, params, request_id, drafts=drafts)
+        eng.add_remote_request(prompt, first_token, params, request_id)
         self._queued.add(request_id)
 
     def on_stop(self, error: BaseException) -> None:
