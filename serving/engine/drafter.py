@@ -95,7 +95,7 @@ class Drafter:
         self._leaves, treedef = jax.tree.flatten(state)
         mtp_graphdef, mtp_state = nnx.split(mtp)
         self._mtp_leaves, mtp_treedef = jax.tree.flatten(mtp_state)
-        self.k, self.num_slots, self.block_size = k, num_slots, block_size
+        self.k, self.num_slots = k, num_slots
         self.drafts = jnp.zeros((num_slots, k), jnp.int32)
         self._fn = jax.jit(partial(_draft, graphdef, treedef, mtp_graphdef, mtp_treedef,
                                    num_blocks, block_size, k), donate_argnums=(2, 3))
