@@ -6,9 +6,10 @@
         --range-ratio 0.8 --ignore-eos --concurrency 16 32 64 --num-gpus 2
 
 Starts the disaggregated stack itself (``python -m serving``) unless
-``--base-url`` names a running server; with ``--compare-aggregated`` it then
-starts the aggregated server (``python -m serving.api``) and sends it the same
-requests in the same invocation, and reports per level how many greedy completions
+``--base-url`` names a running server; with ``--servers disaggregated aggregated``
+(``--compare-aggregated``) it then starts the aggregated server (``python -m
+serving.api``) and sends it the same requests in the same invocation (``--servers
+aggregated``: that one alone), and reports per level how many greedy completions
 came out identical in both modes.  Flags the benchmark does not know go to the
 servers it starts (engine flags to both; the launcher's own, such as
 ``--prefill-workers`` or ``--decode-args``, to the disaggregated stack only).  For the tiny presets without engine flags the
@@ -295,7 +296,12 @@ def parser() -> argparse.ArgumentParser:
                    help="devices of the disaggregated server (default: a started stack's "
                         "prefill + decode workers; 1 with --base-url)")
     p.add_argument("--aggregated-gpus", type=int, default=1)
-    p.add_argument("--compare-aggregated", action="store_true")
+    p.add_argument("--servers", nargs="+", choices=["disaggregated", "aggregated"],
+                   default=["disaggregated"],
+                   help="servers to start and measure, in this order (not with --base-url)")
+    p.add_argument("--compare-aggregated", dest="servers", action="store_const",
+                   const=["disaggregated", "aggregated"],
+                   help="shorthand for --servers disaggregated aggregated")
     p.add_argument("--vocab-size", type=int, default=512,
                    help="prompt token ids are drawn from [3, this); 512 fits every model")
     p.add_argument("--seed", type=int, default=0)
@@ -341,7 +347,7 @@ def main(argv=None) -> None:
                                  "--base-url say on or off, as the server runs")
             url, num_gpus = args.base_url.rstrip("/"), args.num_gpus or 1
             run_mode(_mode(server_role(url), caching[0]), url, args, num_gpus, roof, rows)
-        else:
+        elif "disaggregated" in args.servers:
             stack = parse_stack_flags(["--model", args.model, *server_flags])
             num_gpus = args.num_gpus or stack.prefill_workers + stack.decode_workers
             url = f"http://127.0.0.1:{args.port}"
@@ -351,7 +357,7 @@ def main(argv=None) -> None:
                                            *_caching_flag(on)], url, args.startup_timeout))
                 run_mode(_mode("disaggregated", on), url, args, num_gpus, roof, rows)
                 stop_server(procs.pop())
-        if args.compare_aggregated:
+        if "aggregated" in args.servers and not args.base_url:
             agg = f"http://127.0.0.1:{args.port + 1}"
             # On GPUs the aggregated server gets the first --aggregated-gpus devices only,
             # and XLA there 95 % of each (its cache lives in XLA's pool), as the workers'
