@@ -160,6 +160,8 @@ def _chunks(parts, copy: int, ids, unit_bytes: int, rows: int, f: int):
     unit, row; this side holds ``len(parts)`` parts of ``f // len(parts)`` chunks each.
     Neighbours that touch in one region are one item (a run of consecutive blocks when
     the splits are equal, as in ``CacheLayout.items``), which keeps planning cheap."""
+    if not len(ids):  # every block skipped (a block-aligned prompt the destination holds)
+        return []
     per = f // len(parts)
     row_bytes = unit_bytes // rows
     if row_bytes % per:

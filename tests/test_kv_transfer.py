@@ -45,6 +45,10 @@ def test_each_destination_byte_is_its_source_byte_in_stream_order():
     assert list(zip(_stream(src), _stream(dst), strict=True)) == _pairs(
         ("kv", 700, 300, 100), ("kv", 900, 400, 100), ("conv", 60, 0, 30),
         ("ssm", 140, 0, 70))
+    # a block-aligned prompt whose every block the destination holds: the state alone
+    src, dst = stream_items(LAYOUT, [5, 6], 2, LAYOUT, [1, 2], 0, num_tokens=8, skip_blocks=2)
+    assert list(zip(_stream(src), _stream(dst), strict=True)) == _pairs(
+        ("conv", 60, 0, 30), ("ssm", 140, 0, 70))
 
 
 def test_the_decode_side_reads_what_the_source_recorded():
