@@ -1,4 +1,5 @@
-"""MTP drafting: the program a speculative engine runs after each step.
+"""MTP drafting: the program a speculative engine runs after each step, and the host side
+of a verify step (which drafts are kept, what the next draft program runs over).
 
 The MTP head (``qwen35_jax.mtp``) at position ``t`` reads the target's normalised hidden
 state after token ``t`` and the embedding of token ``t+1``, writes its own KV at ``t``
@@ -31,6 +32,7 @@ import numpy as np
 from flax import nnx
 
 from qwen35_jax.batch import Batch, StepMeta, step_meta
+from serving.engine.request import Status
 
 
 @jax.tree_util.register_dataclass
@@ -87,7 +89,9 @@ def _decode_meta(positions, valid, block_tables, num_blocks, block_size) -> Step
 
 class Drafter:
     """The MTP head and the per-slot buffer of drafts; compiles one draft program per
-    target bucket, which updates the cache's KV pool in place (donated)."""
+    target bucket, which updates the cache's KV pool in place (donated). On the host it
+    decides which drafts a verify step keeps (`accept`), builds the next draft program's
+    inputs (`inputs`) and counts as vLLM's ``vllm:spec_decode_*`` metrics do."""
 
     def __init__(self, model, mtp, *, k: int, num_blocks: int, block_size: int,
                  num_slots: int):
@@ -100,6 +104,60 @@ class Drafter:
         self._fn = jax.jit(partial(_draft, graphdef, treedef, mtp_graphdef, mtp_treedef,
                                    num_blocks, block_size, k), donate_argnums=(2, 3))
         self._programs = {}
+        # verified draft runs, their drafts, the accepted ones, those accepted at each position
+        self._counts = {"spec_decode_num_drafts": 0, "spec_decode_num_draft_tokens": 0,
+                        "spec_decode_num_accepted_tokens": 0}
+        self._accepted_per_position = [0] * k
+
+    def counters(self) -> dict:
+        return {**self._counts,
+                "spec_decode_num_accepted_tokens_per_pos": list(self._accepted_per_position)}
+
+    def accept(self, req, s, drawn, drafts, verify_row) -> int:
+        """The drafts of scheduled sequence `s` kept: the leading ones that equal the token
+        drawn before each (serving/engine/engine.py says why that keeps the target
+        distribution). Rewinds `req` to the state after them; `verify_row(slot, r)` is the
+        state row after the (r + 1)-th token the verify step fed."""
+        n = 0
+        while n < s.num_drafts and drawn[n] == drafts[n]:
+            self._accepted_per_position[n] += 1
+            n += 1
+        req.num_computed_tokens = s.start + 1 + n
+        req.verify_state = verify_row(req.slot, n) if n < s.num_drafts else None
+        c = self._counts
+        c["spec_decode_num_drafts"] += 1
+        c["spec_decode_num_draft_tokens"] += s.num_drafts
+        c["spec_decode_num_accepted_tokens"] += n
+        return n
+
+    def inputs(self, sched, x, accepted: list[int], block_size: int) -> DraftInputs | None:
+        """The draft program's inputs after step `sched` (inputs `x`, `accepted` drafts a
+        sequence): the step's positions whose next token is now known, for the requests
+        still running; those whose step reached their last known token get drafts (as
+        many as their blocks hold). None if no position is known."""
+        d = self.empty(len(x.tokens), len(x.start_pos), x.block_tables.shape[1])
+        pos = 0
+        for i, s in enumerate(sched.seqs):
+            req = s.request
+            d.cu_seqlens[i + 1] = pos
+            if req.status is not Status.RUNNING or s.epoch != req.epoch:
+                continue
+            fed = s.num_tokens - s.num_drafts + accepted[i]
+            m = min(fed, req.num_known_tokens - 1 - s.start)
+            d.rows[pos:pos + m] = x.cu_seqlens[i] + np.arange(m)
+            d.tokens[pos:pos + m] = req.token_slice(s.start + 1, s.start + 1 + m)
+            pos += m
+            d.cu_seqlens[i + 1] = pos
+            d.start_pos[i] = s.start
+            d.block_tables[i] = x.block_tables[i]
+            req.num_drafts = 0
+            if s.sample and m > 0:
+                last = s.start + m - 1  # the head's last position: drafts go after it
+                req.num_drafts = min(self.k, len(req.block_ids) * block_size - last)
+                d.num_drafts[i] = req.num_drafts
+                d.slot[i] = req.slot
+        d.cu_seqlens[len(sched.seqs) + 1:] = pos
+        return d if pos else None
 
     def compile(self, t: int, n: int, max_blocks: int, kv, hidden) -> None:
         """Compile the program of bucket (T, N) for a KV pool like `kv` and hidden states

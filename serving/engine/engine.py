@@ -56,7 +56,7 @@ from serving.engine.fence import StepFence
 from serving.engine.idle_timer import IdleTimer
 from serving.engine.outputs import RequestOutput
 from serving.engine.prefix_cache import PrefixCache, SnapshotRows, model_identity
-from serving.engine.request import Request, Status
+from serving.engine.request import Request
 from serving.engine.runner import Runner
 from serving.engine.sampling_params import SamplingParams
 from serving.engine.scheduler import Scheduler
@@ -146,12 +146,7 @@ class Engine:
         self._next_id = 0
         self.idle_timer = IdleTimer() if c.track_device_idle else None
         self.stats = {"steps": 0, "decode_steps": 0, "prefill_steps": 0,
-                      "scheduled_tokens": 0, "padded_tokens": 0,
-                      # vLLM's vllm:spec_decode_* counters: verified draft runs, their
-                      # drafts, the accepted ones, and those accepted at each position
-                      "spec_decode_num_drafts": 0, "spec_decode_num_draft_tokens": 0,
-                      "spec_decode_num_accepted_tokens": 0}
-        self.accepted_per_position = [0] * c.num_speculative_tokens
+                      "scheduled_tokens": 0, "padded_tokens": 0}
         self.iteration_tokens = BucketCounts(ITERATION_TOKENS)  # tokens per step
 
     # ---- requests -------------------------------------------------------
@@ -338,7 +333,8 @@ class Engine:
                  cached_blocks=self.blocks.num_evictable,
                  prefix_snapshots=len(self.prefix.rows) if self.prefix else 0,
                  iteration_tokens=self.iteration_tokens.state(),
-                 spec_decode_num_accepted_tokens_per_pos=list(self.accepted_per_position))
+                 **(self.drafter.counters() if self.drafter is not None else
+                    {"spec_decode_num_accepted_tokens_per_pos": []}))
         if self.idle_timer:
             m.update(self.idle_timer.counters())
         return m
@@ -417,8 +413,10 @@ class Engine:
             req.num_pending -= 1
             base = i * per_seq
             if s.num_drafts:
-                accepted[i] = self._accept(req, s, tokens[base:base + s.num_drafts],
-                                           fed[x.cu_seqlens[i + 1] - s.num_drafts:x.cu_seqlens[i + 1]])
+                accepted[i] = self.drafter.accept(
+                    req, s, tokens[base:base + s.num_drafts],
+                    fed[x.cu_seqlens[i + 1] - s.num_drafts:x.cu_seqlens[i + 1]],
+                    self.config.verify_row)
             new = []
             for row in range(base, base + accepted[i] + 1):
                 n = req.params.logprobs
@@ -435,52 +433,10 @@ class Engine:
             else:
                 outputs.append(self._output(req, new))
         if self.drafter is not None:
-            self._draft(sched, x, accepted)
+            d = self.drafter.inputs(sched, x, accepted, self.config.block_size)
+            if d is not None:
+                self.fence.on_dispatch(self.runner.draft(d))
         return outputs
-
-    def _accept(self, req: Request, s, drawn, drafts) -> int:
-        """The drafts of `s` kept: the leading ones that equal the token drawn before
-        each (module docstring). Rewinds the request to the state after them."""
-        n = 0
-        while n < s.num_drafts and drawn[n] == drafts[n]:
-            self.accepted_per_position[n] += 1
-            n += 1
-        req.num_computed_tokens = s.start + 1 + n
-        req.verify_state = self.config.verify_row(req.slot, n) if n < s.num_drafts else None
-        st = self.stats
-        st["spec_decode_num_drafts"] += 1
-        st["spec_decode_num_draft_tokens"] += s.num_drafts
-        st["spec_decode_num_accepted_tokens"] += n
-        return n
-
-    def _draft(self, sched, x, accepted: list[int]) -> None:
-        """Dispatch the draft program over the step's positions whose next token is now
-        known (drafter.py), for the requests still running; those whose step reached
-        their last known token get drafts."""
-        d = self.drafter.empty(len(x.tokens), len(x.start_pos), x.block_tables.shape[1])
-        bs, pos = self.config.block_size, 0
-        for i, s in enumerate(sched.seqs):
-            req = s.request
-            d.cu_seqlens[i + 1] = pos
-            if req.status is not Status.RUNNING or s.epoch != req.epoch:
-                continue
-            fed = s.num_tokens - s.num_drafts + accepted[i]
-            m = min(fed, req.num_known_tokens - 1 - s.start)
-            d.rows[pos:pos + m] = x.cu_seqlens[i] + np.arange(m)
-            d.tokens[pos:pos + m] = req.token_slice(s.start + 1, s.start + 1 + m)
-            pos += m
-            d.cu_seqlens[i + 1] = pos
-            d.start_pos[i] = s.start
-            d.block_tables[i] = x.block_tables[i]
-            req.num_drafts = 0
-            if s.sample and m > 0:
-                last = s.start + m - 1  # the head's last position: drafts go after it
-                req.num_drafts = min(self.drafter.k, len(req.block_ids) * bs - last)
-                d.num_drafts[i] = req.num_drafts
-                d.slot[i] = req.slot
-        d.cu_seqlens[len(sched.seqs) + 1:] = pos
-        if pos:
-            self.fence.on_dispatch(self.runner.draft(d))
 
     def _append_token(self, req: Request, token: int, logprobs, now: float) -> None:
         req.output_token_ids.append(token)
