@@ -110,6 +110,7 @@ class Drafter:
         self._accepted_per_position = [0] * k
 
     def counters(self) -> dict:
+        """The ``spec_decode_*`` counters, as `Engine.metrics` reports them."""
         return {**self._counts,
                 "spec_decode_num_accepted_tokens_per_pos": list(self._accepted_per_position)}
 
@@ -134,7 +135,8 @@ class Drafter:
         """The draft program's inputs after step `sched` (inputs `x`, `accepted` drafts a
         sequence): the step's positions whose next token is now known, for the requests
         still running; those whose step reached their last known token get drafts (as
-        many as their blocks hold). None if no position is known."""
+        many as their blocks hold), and each request's `num_drafts` is set to what it
+        gets. None if no position is known."""
         d = self.empty(len(x.tokens), len(x.start_pos), x.block_tables.shape[1])
         pos = 0
         for i, s in enumerate(sched.seqs):

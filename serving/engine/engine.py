@@ -333,8 +333,7 @@ class Engine:
                  cached_blocks=self.blocks.num_evictable,
                  prefix_snapshots=len(self.prefix.rows) if self.prefix else 0,
                  iteration_tokens=self.iteration_tokens.state(),
-                 **(self.drafter.counters() if self.drafter is not None else
-                    {"spec_decode_num_accepted_tokens_per_pos": []}))
+                 **(self.drafter.counters() if self.drafter is not None else {}))
         if self.idle_timer:
             m.update(self.idle_timer.counters())
         return m
