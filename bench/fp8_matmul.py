@@ -15,6 +15,9 @@ kernel reads w, the FP8 one q and its scales): the dense shapes inside a layer s
 ``bench.grouped_matmul`` does (two layers' experts stacked, uniform routing). Floors:
 the weights read once (bf16: 2 bytes an entry; FP8: 1, plus the scales) at the
 measured read bandwidth, and for prefill row counts 2 R K N at the bf16 matmul rate.
+Where "auto" takes the Mosaic grouped matmul (which reads FP8 experts dequantised), the
+Pallas one on the FP8 experts in place is timed beside it ("fp8 pallas"), the
+alternative the dispatch is chosen against.
 ``--sweep`` adds FP8 tiles of SWEEP for the dense kernel and of EXPERT_SWEEP for the
 grouped one at decode row counts.
 """
@@ -155,6 +158,12 @@ def expert_timings(rng, ceil, sweep) -> list[dict]:
                        bf16=seconds_per_call(bf16, x, wb, sizes) * 1e3,
                        fp8=seconds_per_call(fp8, x, q, s, sizes) * 1e3,
                        **{f"floor_{v}_ms": f * 1e3 for v, f in floor.items()})
+            if row["backend"] == "mgpu":  # FP8 in place (Pallas) against the dequantised copy
+                fn = jax.jit(lambda a, b, c, g: grouped_matmul(a, b, g, group_offset=E, scale=c,
+                                                               splits=splits, backend="pallas"))
+                row["fp8 pallas"] = seconds_per_call(fn, x, q, s, sizes) * 1e3
+                err, ok = _err(fn(x, q, s, sizes), np.asarray(fp8(x, q, s, sizes), np.float64))
+                print(f"  agree fp8 pallas: {err:.1e} {'ok' if ok else 'FAIL'}")
             for cfg in (EXPERT_SWEEP if sweep and row["backend"] == "pallas" else ()):
                 name = "fp8 bn{bn} bk{bk} st{stages}".format(**cfg)
                 fn = jax.jit(lambda a, b, c, g, cfg=cfg: grouped_matmul_pallas(

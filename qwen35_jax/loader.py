@@ -468,11 +468,11 @@ def _init_program(cfg: Qwen35Config, dtype, mesh):
     same preset several times (the test suite, a benchmark sweep). The values are those
     of ``nnx.Rngs(seed)``, which makes its key with the same ``jax.random.key(seed)``.
 
-    On CPU the program is compiled at LLVM optimisation level 0: it runs once, and at
-    the default level LLVM spends ~10 s on tiny-moe's inlined threefry (2 s at level 0,
-    which runs it in 0.07 s instead of 0.02). The values are those of the level-0
-    program, on one device and on a mesh alike; they differ from the default level's in
-    the last bits (the two levels round the normal's transform differently)."""
+    On CPU the program is compiled at LLVM optimisation level 0: it runs once, and LLVM's
+    default level spends most of the compile on the inlined threefry streams (tiny-moe: a
+    quarter of the time at level 0). The values are those of the level-0 program, on one
+    device and on a mesh alike; they differ from the default level's in the last bits
+    (the two levels round the normal's transform differently)."""
     graphdef, abstract = nnx.split(abstract_model(cfg, dtype))
     out = None if mesh is None else sharding.param_shardings(cfg, abstract, mesh)
     cpu = (jax.default_backend() if mesh is None else mesh.devices.flat[0].platform) == "cpu"

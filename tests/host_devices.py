@@ -14,11 +14,21 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def xla_flags(devices: int = 8) -> str:
+    """This process's XLA flags with ``devices`` host devices."""
+    return f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
+
+
 def start_child(script: str, *args: str) -> subprocess.Popen:
     """Start ``python script *args`` on 8 host devices without waiting for it, so that
     several children can run at once; ``child_result`` collects its records. Its output
-    goes to files, not pipes: a child must never block on a pipe nobody reads yet."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    goes to files, not pipes: a child must never block on a pipe nobody reads yet.
+
+    A child compiles at LLVM optimisation level 0: it compiles many programs and runs
+    each once or a few times, and compares only results it computed itself, so level 0's
+    faster compile is all gain (test_sharding's children: bench/RESULTS.md, "The
+    suite")."""
+    env = dict(os.environ, XLA_FLAGS=xla_flags() + " --xla_backend_optimization_level=0",
                JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
     out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
     proc = subprocess.Popen([sys.executable, os.path.abspath(script), *args], env=env, cwd=ROOT,

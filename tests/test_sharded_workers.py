@@ -24,7 +24,7 @@ import subprocess
 import sys
 
 import pytest
-from host_devices import child_records
+from host_devices import child_records, xla_flags
 from test_disagg import SECRET, Stack, bucket_flags, pools_full, prompts, run_all
 
 from serving.engine import SamplingParams
@@ -50,8 +50,8 @@ class MeshStack(Stack):
 
     def __init__(self, workers):
         self.procs, self.urls, self.mesh = {}, {"prefill": [], "decode": []}, {}
-        self.env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-                    "JAX_PLATFORMS": "cpu", shared_secret.ENV: SECRET}
+        self.env = {**os.environ, "XLA_FLAGS": xla_flags(), "JAX_PLATFORMS": "cpu",
+                    shared_secret.ENV: SECRET}
         for role, mesh in workers:
             self.mesh[self.start(role, mesh)] = " ".join(mesh) or "single device"
         self.wait()
