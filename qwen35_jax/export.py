@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from qwen35_jax import loader
+from qwen35_jax import loader, mtp_checkpoint
 from qwen35_jax.config import Qwen35Config
 
 _ALTERNATIVES = re.compile(r"\(([^()]*)\)")
@@ -68,10 +68,10 @@ def checkpoint_tensors(model, mtp=None, dtype=jnp.bfloat16) -> dict[str, jnp.nda
     unnamed = set(flat) - used
     if mtp is not None:
         head = _flat(mtp)
-        for sub, (path, fn) in loader.MTP_TABLE.items():
+        for sub, (path, fn) in mtp_checkpoint.MTP_TABLE.items():
             out["mtp." + sub] = _export(head[path], (), fn, None)
             used.add("mtp:" + path)
-        ckpt_prefix, param_prefix = loader.MTP_LAYER
+        ckpt_prefix, param_prefix = mtp_checkpoint.MTP_LAYER
         for sub in _layer_names(cfg, per_expert=True):
             tgt = loader.layer_target(cfg, sub)
             if tgt is not None and param_prefix + tgt[0] in head:

@@ -87,17 +87,8 @@ TOP_TABLE = {
     "embed_tokens.weight": ("embed_tokens.embedding", _ident),
     "norm.weight": ("norm.weight", _ident),
 }
-# The MTP head (qwen35_jax.mtp.MTP): "mtp." + these names, and its one decoder layer as
-# "mtp.layers.0." + a LAYER_TABLE name (per-expert 2-D experts in Qwen3.5's releases).
-MTP_TABLE = {
-    "fc.weight": ("fc.kernel", _t),
-    "pre_fc_norm_embedding.weight": ("pre_fc_norm_embedding.weight", _ident),
-    "pre_fc_norm_hidden.weight": ("pre_fc_norm_hidden.weight", _ident),
-    "norm.weight": ("norm.weight", _ident),
-}
-MTP_LAYER = ("mtp.layers.0.", "layer.")  # (checkpoint prefix, parameter prefix)
 PREFIXES = ("model.language_model.", "model.")
-IGNORED = re.compile(r"^(mtp\.|model\.visual\.|visual\.|model\.mtp\.)")
+IGNORED = re.compile(r"^(mtp\.|model\.visual\.|visual\.|model\.mtp\.)")  # mtp.*: mtp_checkpoint.py
 LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 QUANTISED_DTYPES = {"F8_E5M2", "I8", "U8", "I4", "U4", "F4"}  # F8_E4M3: FP8 (quant.py)
 SCALE_SUFFIX = "_scale_inv"  # "<name>.weight_scale_inv": the block scales of "<name>.weight"
@@ -150,7 +141,8 @@ def layer_target(cfg: Qwen35Config, sub: str):
     return None
 
 
-def _shards(path: str) -> list[str]:
+def shard_files(path: str) -> list[str]:
+    """The safetensors files of a checkpoint directory (its index's, or the one file)."""
     index = os.path.join(path, "model.safetensors.index.json")
     single = os.path.join(path, "model.safetensors")
     if os.path.exists(index):
@@ -212,7 +204,7 @@ def checkpoint_config(path: str | os.PathLike) -> Qwen35Config:
     if not cfg.fp8_modules:
         return cfg
     found = set()
-    for shard in _shards(path):
+    for shard in shard_files(path):
         with safe_open(shard, framework="flax") as f:
             for name in f.keys():
                 if name.endswith(".weight" + SCALE_SUFFIX) and not IGNORED.match(name):
@@ -224,15 +216,18 @@ def checkpoint_config(path: str | os.PathLike) -> Qwen35Config:
     return cfg.replace(fp8_modules=tuple(p for p in quant.QUANTISABLE if p in found))
 
 
-def _fp8_array(shard: str, name: str):
-    """An e4m3 tensor of a safetensors file, read through PyTorch: safetensors' NumPy and
-    Flax readers have no FP8 type."""
+def read_tensor(f, shard: str, name: str, dtype: str):
+    """Tensor ``name`` of the open safetensors file ``f`` (path ``shard``) whose
+    safetensors dtype is ``dtype``: e4m3 ("F8_E4M3") read through PyTorch, since
+    safetensors' NumPy and Flax readers have no FP8 type; anything else as Flax reads it."""
+    if dtype != "F8_E4M3":
+        return f.get_tensor(name)
     import ml_dtypes
     import torch
     from safetensors import safe_open
 
-    with safe_open(shard, framework="pt") as f:
-        raw = f.get_tensor(name).view(torch.uint8).numpy()
+    with safe_open(shard, framework="pt") as pt:
+        raw = pt.get_tensor(name).view(torch.uint8).numpy()
     return jnp.asarray(raw.view(ml_dtypes.float8_e4m3fn))
 
 
@@ -272,12 +267,12 @@ def from_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, *,
     shardings = None if mesh is None else dict(nnx.to_flat_state(
         sharding.param_shardings(cfg, abstract, mesh)))
     leaves = {k: _zeros(v.shape, v.dtype, None if shardings is None else
-                        shardings[tuple(_key(p) for p in k.split("."))])
+                        shardings[tuple(path_key(p) for p in k.split("."))])
               for k, v in flat.items()}
     filled: dict[str, set] = {k: set() for k in flat}
     expected = {k: _coverage(cfg, k) for k in flat}
 
-    shards = _shards(path)
+    shards = shard_files(path)
     total = 0
     for shard in shards:
         with safe_open(shard, framework="flax") as f:
@@ -330,7 +325,7 @@ def from_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, *,
                     put(_scale_path(ppath), fn(f.get_tensor(name)).astype(jnp.float32), index,
                         _scale_cols(cols), name)
                 elif dt == "F8_E4M3":
-                    put(ppath, fn(_fp8_array(shard, name)), index, cols, name)
+                    put(ppath, fn(read_tensor(f, shard, name, dt)), index, cols, name)
                 elif fp8:  # a bf16 tensor of an FP8 parameter: quantised on load
                     q, scale = quant.quantize(np.asarray(fn(f.get_tensor(name)), np.float32),
                                               1 if cols else quant.splits_of(ppath))
@@ -345,89 +340,12 @@ def from_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, *,
         details = [f"{k} (missing entries {sorted(expected[k] - filled[k])[:4]})" for k in missing]
         raise CheckpointError(f"{path}: checkpoint lacks tensors for {details[:6]}"
                               f"{' ...' if len(details) > 6 else ''}")
-    state = nnx.from_flat_state({tuple(_key(p) for p in k.split(".")): leaves[k] for k in flat})
+    state = nnx.from_flat_state({tuple(path_key(p) for p in k.split(".")): leaves[k] for k in flat})
     return nnx.merge(graphdef, state)
 
 
-def load_mtp(path: str | os.PathLike, cfg: Qwen35Config, dtype=jnp.bfloat16):
-    """The checkpoint's multi-token-prediction head (``mtp.*``, ``MTP_TABLE``) as a
-    ``qwen35_jax.mtp.MTP``, or None when the checkpoint has no ``mtp.*`` tensors. FP8
-    tensors of the head (with their ``weight_scale_inv``) are dequantised to ``dtype``:
-    the head is one layer, read once a draft. Raises CheckpointError on a tensor of the
-    head that has no place in it, a shape mismatch, or a missing one."""
-    from safetensors import safe_open
-
-    from qwen35_jax.mtp import MTP
-
-    path = os.fspath(path)
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: MTP(cfg, rngs=nnx.Rngs(0),
-                                                               dtype=dtype)))
-    flat = {".".join(map(str, k)): v for k, v in nnx.to_flat_state(abstract)}
-    values = {k: np.zeros(v.shape, np.float32) for k, v in flat.items()}
-    written: dict[str, set] = {k: set() for k in flat}
-    tensors, scales = {}, {}
-    for shard in _shards(path):
-        with safe_open(shard, framework="flax") as f:
-            for name in f.keys():
-                if not name.startswith("mtp."):
-                    continue
-                if name.endswith(".weight" + SCALE_SUFFIX):
-                    scales[name[:-len(SCALE_SUFFIX)]] = np.asarray(f.get_tensor(name), np.float32)
-                elif f.get_slice(name).get_dtype() == "F8_E4M3":
-                    tensors[name] = np.asarray(_fp8_array(shard, name))
-                else:
-                    tensors[name] = np.asarray(f.get_tensor(name), np.float32)
-    if not tensors:
-        return None
-    prefix, param_prefix = MTP_LAYER
-    for name, value in tensors.items():
-        if name in scales:
-            value = np.asarray(quant.dequantize(value, scales.pop(name), jnp.float32))
-        sub = name[len("mtp."):]
-        if sub in MTP_TABLE:
-            ppath, fn = MTP_TABLE[sub]
-            index, cols = (), None
-        else:
-            tgt = layer_target(cfg, name[len(prefix):]) if name.startswith(prefix) else None
-            if tgt is None:
-                raise CheckpointError(f"{path}: unexpected tensor {name!r} in the MTP head")
-            ppath, index, fn, cols = param_prefix + tgt[0], tgt[1], tgt[2], tgt[3]
-        if ppath not in values:
-            raise CheckpointError(f"{path}: {name!r} has no parameter in this config's MTP "
-                                  f"head ({ppath})")
-        value = np.asarray(fn(jnp.asarray(value)), np.float32)
-        target = values[ppath][index] if index else values[ppath]
-        want = target[..., cols].shape if cols is not None else target.shape
-        if value.shape != want:
-            raise CheckpointError(f"{path}: tensor {name!r} has shape {value.shape} after "
-                                  f"layout conversion, but the config implies {want}")
-        if cols is not None:
-            target[..., cols] = value
-        else:
-            target[...] = value
-        written[ppath].add((index, None if cols is None else cols.start))
-    if scales:
-        raise CheckpointError(f"{path}: block scales without an FP8 tensor: {sorted(scales)[:4]}")
-    missing = [k for k, got in written.items()
-               if ((), None) not in got and len(got) < _mtp_parts(cfg, k)]
-    if missing:
-        raise CheckpointError(f"{path}: the MTP head lacks tensors for {missing[:6]}")
-    state = nnx.from_flat_state({tuple(_key(p) for p in k.split(".")):
-                                 jnp.asarray(values[k], flat[k].dtype) for k in flat})
-    return nnx.merge(graphdef, state)
-
-
-def _mtp_parts(cfg: Qwen35Config, path: str) -> int:
-    """Tensors that write the MTP parameter at ``path`` when none writes it whole: one
-    per expert (two for the fused gate/up) for experts held one by one, else one."""
-    if path.endswith("experts_gate_up"):
-        return 2 * cfg.num_experts
-    if path.endswith("experts_down"):
-        return cfg.num_experts
-    return 1
-
-
-def _key(part: str):
+def path_key(part: str):
+    """A parameter path's part as nnx keys it: list indices as ints."""
     return int(part) if part.isdigit() else part
 
 

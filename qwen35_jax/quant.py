@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from flax import nnx
 
-from pallas_kernels.block_fp8 import BLOCK, is_fp8, quantize  # noqa: F401 (the model's API)
+# re-exported: the block-scale rule is part of the model's API
+from pallas_kernels.block_fp8 import BLOCK, dequantize, is_fp8, quantize  # noqa: F401
 
 # Layer-relative parameter paths that can be FP8, and the default set of
 # ``--quantization fp8``: every matmul of a layer but the ones whose outputs are

@@ -103,7 +103,7 @@ def load_mtp_head(model, cfg, dtype, seed):
     a random head serves for)."""
     from flax import nnx
 
-    from qwen35_jax.loader import load_mtp
+    from qwen35_jax.mtp_checkpoint import load_mtp
     from qwen35_jax.mtp import MTP
 
     model = builtin.resolve(model)

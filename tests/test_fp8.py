@@ -277,3 +277,37 @@ def test_other_quantisation_configs_are_refused(change, match):
     d = {**CONFIGS["dense"].to_hf_text_dict(), "quantization_config": {**QC, **change}}
     with pytest.raises(ConfigError, match=match):
         Qwen35Config.from_dict(d)
+
+
+def test_an_fp8_mtp_head_loads_as_its_dequantised_weights(tmp_path):
+    """An MTP head whose matmuls are e4m3 with block scales (as in the -FP8 releases)
+    loads as the same head written with those weights dequantised (q * scale in float32),
+    every value exact; the quantisation changed some of them."""
+    from qwen35_jax import init_random
+    from qwen35_jax.export import save_pretrained
+    from qwen35_jax.mtp import MTP
+    from qwen35_jax.mtp_checkpoint import load_mtp
+
+    cfg = CONFIGS["dense"]
+    src = str(tmp_path / "export")
+    save_pretrained(init_random(cfg, dtype=jnp.float32), src, mtp=MTP(cfg, rngs=nnx.Rngs(2)),
+                    dtype=jnp.float32)
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    fp8, dequantised = dict(tensors), dict(tensors)
+    head = [n for n in tensors if n.startswith("mtp.") and QUANTISED.fullmatch(
+        n.replace("mtp.layers.0.", "model.layers.0."))] + ["mtp.fc.weight"]
+    assert any("self_attn" in n for n in head) and any("mlp" in n for n in head), head
+    for name in head:
+        q, s = _quantize_torch(tensors[name].float())
+        fp8[name], fp8[name + "_scale_inv"] = q, s
+        dequantised[name] = torch.from_numpy(_dequantize_np(q, s))
+    heads = {}
+    for kind, ts in (("fp8", fp8), ("dequantised", dequantised), ("f32", tensors)):
+        path = tmp_path / kind
+        os.makedirs(path)
+        save_file(ts, str(path / "model.safetensors"), metadata={"format": "pt"})
+        heads[kind] = _params(load_mtp(str(path), cfg, jnp.float32))
+    assert heads["fp8"].keys() == heads["dequantised"].keys()
+    for k, want in heads["dequantised"].items():
+        np.testing.assert_array_equal(heads["fp8"][k], want, err_msg=k)
+    assert any(not np.array_equal(heads["f32"][k], v) for k, v in heads["fp8"].items())

@@ -17,7 +17,7 @@ import qwen35_jax
 from qwen35_jax import builtin
 from qwen35_jax.config import _layers
 from qwen35_jax.export import checkpoint_tensors, save_pretrained
-from qwen35_jax.loader import load_mtp
+from qwen35_jax.mtp_checkpoint import load_mtp
 from qwen35_jax.mtp import MTP
 from qwen35_jax.train import problems, tokenizer, trainer
 
