@@ -26,6 +26,9 @@ TRANSFER_COUNTERS = ("vllm:nixl_xfer_time_seconds_count", "vllm:nixl_xfer_time_s
                      "qwen35:kv_transfer_ack_seconds_total", "vllm:nixl_bytes_transferred_sum")
 PREFIX_COUNTERS = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")
 # per role ("prefill", "decode", "aggregated"): scraped as "<name>{role}"
+# the server's own request timers (histograms: their _sum and _count), from HTTP arrival
+SERVER_TIMERS = ("vllm:time_to_first_token_seconds", "vllm:request_queue_time_seconds",
+                 "vllm:request_prefill_time_seconds")
 DEVICE_COUNTERS = ("qwen35:device_busy_seconds_total", "qwen35:device_idle_seconds_total",
                    "qwen35:device_steps_total")
 
@@ -222,6 +225,7 @@ async def run_level(url: str, model: str, data, concurrency: int, ignore_eos: bo
         await asyncio.sleep(1.5)  # the router's counters lag its workers' by one poll
         after = await scrape(client, url)
     device = [k for k in after if k.split("{")[0] in DEVICE_COUNTERS]
-    for k in (*TRANSFER_COUNTERS, *PREFIX_COUNTERS, *device):
+    timers = [f"{t}{end}" for t in SERVER_TIMERS for end in ("_sum", "_count")]
+    for k in (*TRANSFER_COUNTERS, *PREFIX_COUNTERS, *timers, *device):
         server[k] = after.get(k, 0.0) - before.get(k, 0.0)
     return results, duration, server

@@ -44,6 +44,23 @@ def device_figures(server: dict, duration: float) -> dict:
     return out
 
 
+def server_times(server: dict) -> dict:
+    """The server's own means over the level (ms): time to first token from the HTTP
+    handler's start (the body parsed), of which waiting in the engine's queue
+    (vllm:request_queue_time) and the rest (the steps up to the first token and the
+    hand-offs between handler and engine). Beside the client's TTFT it splits what the
+    server spends from what the HTTP path and the client add; NaN where the server keeps
+    no such timer."""
+    out = {}
+    for key, name in (("ttft", "vllm:time_to_first_token_seconds"),
+                      ("queue", "vllm:request_queue_time_seconds"),
+                      ("prefill", "vllm:request_prefill_time_seconds")):
+        n = server.get(f"{name}_count", 0.0)
+        out[f"server_mean_{key}_ms"] = (1e3 * server.get(f"{name}_sum", 0.0) / n if n
+                                        else float("nan"))
+    return out
+
+
 def summarise(results: list[Result], duration: float, concurrency: int, num_gpus: int,
               server: dict, percentiles=(99,)) -> dict:
     """vLLM's `calculate_metrics` over the successful requests (with `percentiles`, its
@@ -65,6 +82,7 @@ def summarise(results: list[Result], duration: float, concurrency: int, num_gpus
         "mean_transfer_ack_ms": (1e3 * server.get("qwen35:kv_transfer_ack_seconds_total", 0.0)
                                  / transfers if transfers else float("nan")),
         "device": device_figures(server, duration),
+        **server_times(server),
         "mean_transfer_bytes": (server.get("vllm:nixl_bytes_transferred_sum", 0.0) / transfers
                                 if transfers else float("nan")),
         "max_concurrency": concurrency, "num_gpus": num_gpus, "duration": duration,
@@ -112,6 +130,9 @@ def table(s: dict, metrics=("ttft", "tpot", "itl")) -> str:
         out += [line("Transfers (mean ms, of which to ack, MiB):",
                      f"{s['transfers']:.0f} ({s['mean_transfer_ms']:.1f}, "
                      f"{s['mean_transfer_ack_ms']:.1f}, {s['mean_transfer_bytes'] / 2**20:.1f})")]
+    out += [line("Server mean TTFT = queue + rest (ms):",
+                 f"{s['server_mean_ttft_ms']:.0f} = {s['server_mean_queue_ms']:.0f} + "
+                 f"{s['server_mean_prefill_ms']:.0f}")]
     for role, d in s["device"].items():
         out += [line(f"{role.capitalize()} device busy (step ms):",
                      f"{d['busy_share']:.0%} ({d['step_ms']:.1f})")]
