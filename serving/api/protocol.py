@@ -19,7 +19,7 @@ import re
 import time
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag
 
 MAX_N = 16  # choices per prompt; each is a separate engine request
 
@@ -36,6 +36,27 @@ def _unicode(text: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_unicode)]
+
+
+def _prompt_kind(value) -> str:
+    """Which form of ``Prompt`` a value claims, by its type and its first item: the
+    value is validated against that form alone. A plain union tries every form and
+    collects an error per item of each that fails (~2 ms for an 8k-token prompt,
+    against ~0.3 ms), which the server's event loop pays once a request."""
+    if isinstance(value, str):
+        return "text"
+    if isinstance(value, list) and value and isinstance(value[0], str):
+        return "texts"
+    if isinstance(value, list) and value and isinstance(value[0], list):
+        return "token_lists"
+    return "tokens"
+
+
+# A prompt: text, texts, token ids, or lists of token ids (one completion each).
+Prompt = Annotated[Annotated[Text, Tag("text")] | Annotated[list[Text], Tag("texts")]
+                   | Annotated[list[TokenId], Tag("tokens")]
+                   | Annotated[list[list[TokenId]], Tag("token_lists")],
+                   Discriminator(_prompt_kind)]
 
 
 class _Body(BaseModel):
@@ -67,7 +88,7 @@ class _SamplingFields(_Body):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
+    prompt: Prompt
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0)
     echo: bool = False
