@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from transformers import AutoTokenizer
 
+from qwen35_jax import builtin
 from qwen35_jax.train import problems
 from serving import LLM, SamplingParams
 from serving.engine.config import EngineConfig, speculative_tokens
@@ -28,7 +30,7 @@ def _llm(k: int = 0, **kw) -> LLM:
 @pytest.fixture(scope="module")
 def prompts():
     """Held-out problems, the first two twice (prefix hits), as token ids."""
-    tok = _llm().tokenizer
+    tok = AutoTokenizer.from_pretrained(builtin.resolve("tiny-math"))
     ids = [tok.encode(p.prompt) for p in problems.held_out(6)]
     return ids + ids[:2]
 
