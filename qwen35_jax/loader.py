@@ -216,6 +216,15 @@ def checkpoint_config(path: str | os.PathLike) -> Qwen35Config:
     return cfg.replace(fp8_modules=tuple(p for p in quant.QUANTISABLE if p in found))
 
 
+def refuse_other_formats(path: str, name: str, dtype: str) -> None:
+    """Raise CheckpointError for a tensor quantised in a format the loaders do not read
+    (their one FP8 format: e4m3 with 128 x 128 ``weight_scale_inv`` block scales)."""
+    if dtype in QUANTISED_DTYPES or name.endswith(".weight_scale"):
+        raise CheckpointError(f"{path}: tensor {name!r} is quantised ({dtype}) in a format "
+                              "this loader does not read: only FP8 e4m3 with 128 x 128 block "
+                              "scales (weight_scale_inv)")
+
+
 def read_tensor(f, shard: str, name: str, dtype: str):
     """Tensor ``name`` of the open safetensors file ``f`` (path ``shard``) whose
     safetensors dtype is ``dtype``: e4m3 ("F8_E4M3") read through PyTorch, since
@@ -306,10 +315,7 @@ def from_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, *,
                     continue
                 dt = f.get_slice(name).get_dtype()
                 is_scale = name.endswith(".weight" + SCALE_SUFFIX)
-                if dt in QUANTISED_DTYPES or name.endswith(".weight_scale"):
-                    raise CheckpointError(f"{path}: tensor {name!r} is quantised ({dt}) in a "
-                                          "format this loader does not read: only FP8 e4m3 "
-                                          "with 128 x 128 block scales (weight_scale_inv)")
+                refuse_other_formats(path, name, dt)
                 tgt = _target(cfg, name[:-len(SCALE_SUFFIX)] if is_scale else name)
                 if tgt == "skip":
                     continue
@@ -321,18 +327,17 @@ def from_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, *,
                 if (is_scale or dt == "F8_E4M3") and not fp8:
                     raise CheckpointError(f"{path}: tensor {name!r} is FP8 but {ppath} is not "
                                           f"one of this config's fp8_modules {cfg.fp8_modules}")
+                value = fn(read_tensor(f, shard, name, dt))
                 if is_scale:
-                    put(_scale_path(ppath), fn(f.get_tensor(name)).astype(jnp.float32), index,
-                        _scale_cols(cols), name)
-                elif dt == "F8_E4M3":
-                    put(ppath, fn(read_tensor(f, shard, name, dt)), index, cols, name)
-                elif fp8:  # a bf16 tensor of an FP8 parameter: quantised on load
-                    q, scale = quant.quantize(np.asarray(fn(f.get_tensor(name)), np.float32),
+                    put(_scale_path(ppath), value.astype(jnp.float32), index, _scale_cols(cols),
+                        name)
+                elif fp8 and dt != "F8_E4M3":  # a bf16 tensor of an FP8 parameter: quantised
+                    q, scale = quant.quantize(np.asarray(value, np.float32),
                                               1 if cols else quant.splits_of(ppath))
                     put(ppath, jnp.asarray(q), index, cols, name)
                     put(_scale_path(ppath), jnp.asarray(scale), index, _scale_cols(cols), name)
                 else:
-                    put(ppath, fn(f.get_tensor(name)), index, cols, name)
+                    put(ppath, value, index, cols, name)
     bar.close()
     filled = {k: _layers_covered(cfg, k, v) for k, v in filled.items()}
     missing = [k for k in flat if not expected[k] <= filled[k]]

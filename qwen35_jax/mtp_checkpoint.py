@@ -17,7 +17,7 @@ from flax import nnx
 from qwen35_jax import quant
 from qwen35_jax.config import Qwen35Config
 from qwen35_jax.loader import (SCALE_SUFFIX, CheckpointError, _ident, _t, layer_target,
-                               path_key, read_tensor, shard_files)
+                               path_key, read_tensor, refuse_other_formats, shard_files)
 from qwen35_jax.mtp import MTP
 
 # The MTP head (qwen35_jax.mtp.MTP): "mtp." + these names, and its one decoder layer as
@@ -52,6 +52,7 @@ def load_mtp(path: str | os.PathLike, cfg: Qwen35Config, dtype=jnp.bfloat16):
                 if not name.startswith("mtp."):
                     continue
                 dt = f.get_slice(name).get_dtype()
+                refuse_other_formats(path, name, dt)
                 value = read_tensor(f, shard, name, dt)
                 if name.endswith(".weight" + SCALE_SUFFIX):
                     scales[name[:-len(SCALE_SUFFIX)]] = np.asarray(value, np.float32)
@@ -59,6 +60,10 @@ def load_mtp(path: str | os.PathLike, cfg: Qwen35Config, dtype=jnp.bfloat16):
                     tensors[name] = np.asarray(value, None if dt == "F8_E4M3" else np.float32)
     if not tensors:
         return None
+    unscaled = [n for n, v in tensors.items() if v.dtype.itemsize == 1 and n not in scales]
+    if unscaled:
+        raise CheckpointError(f"{path}: FP8 tensors without their {SCALE_SUFFIX} block "
+                              f"scales: {sorted(unscaled)[:4]}")
     prefix, param_prefix = MTP_LAYER
     for name, value in tensors.items():
         if name in scales:

@@ -311,3 +311,13 @@ def test_an_fp8_mtp_head_loads_as_its_dequantised_weights(tmp_path):
     for k, want in heads["dequantised"].items():
         np.testing.assert_array_equal(heads["fp8"][k], want, err_msg=k)
     assert any(not np.array_equal(heads["f32"][k], v) for k, v in heads["fp8"].items())
+    # an e4m3 tensor without its scales, or one in another format, is refused by name
+    unscaled = {k: v for k, v in fp8.items() if k != "mtp.fc.weight_scale_inv"}
+    int8 = {**tensors, "mtp.fc.weight": tensors["mtp.fc.weight"].to(torch.int8)}
+    for kind, ts, match in (("unscaled", unscaled, "without their _scale_inv.*mtp.fc.weight"),
+                            ("int8", int8, r"'mtp.fc.weight' is quantised \(I8\)")):
+        path = tmp_path / kind
+        os.makedirs(path)
+        save_file(ts, str(path / "model.safetensors"), metadata={"format": "pt"})
+        with pytest.raises(CheckpointError, match=match):
+            load_mtp(str(path), cfg, jnp.float32)
