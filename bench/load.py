@@ -25,10 +25,12 @@ MEMORY_GAUGES = ("qwen35:kv_cache_bytes_in_use", "qwen35:state_bytes_in_use")
 TRANSFER_COUNTERS = ("vllm:nixl_xfer_time_seconds_count", "vllm:nixl_xfer_time_seconds_sum",
                      "qwen35:kv_transfer_ack_seconds_total", "vllm:nixl_bytes_transferred_sum")
 PREFIX_COUNTERS = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")
-# per role ("prefill", "decode", "aggregated"): scraped as "<name>{role}"
-# the server's own request timers (histograms: their _sum and _count), from HTTP arrival
+# the server's own request timers (histograms: their _sum and _count), each from the HTTP
+# handler's start (the body parsed): the time to first token, its wait in the engine's
+# queue, and the rest
 SERVER_TIMERS = ("vllm:time_to_first_token_seconds", "vllm:request_queue_time_seconds",
                  "vllm:request_prefill_time_seconds")
+# per role ("prefill", "decode", "aggregated"): scraped as "<name>{role}"
 DEVICE_COUNTERS = ("qwen35:device_busy_seconds_total", "qwen35:device_idle_seconds_total",
                    "qwen35:device_steps_total")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from bench.load import Result
+from bench.load import SERVER_TIMERS, Result
 
 
 # the suffix of a mode whose server ran with --no-enable-prefix-caching
@@ -52,9 +52,7 @@ def server_times(server: dict) -> dict:
     server spends from what the HTTP path and the client add; NaN where the server keeps
     no such timer."""
     out = {}
-    for key, name in (("ttft", "vllm:time_to_first_token_seconds"),
-                      ("queue", "vllm:request_queue_time_seconds"),
-                      ("prefill", "vllm:request_prefill_time_seconds")):
+    for key, name in zip(("ttft", "queue", "rest"), SERVER_TIMERS, strict=True):
         n = server.get(f"{name}_count", 0.0)
         out[f"server_mean_{key}_ms"] = (1e3 * server.get(f"{name}_sum", 0.0) / n if n
                                         else float("nan"))
@@ -132,7 +130,7 @@ def table(s: dict, metrics=("ttft", "tpot", "itl")) -> str:
                      f"{s['mean_transfer_ack_ms']:.1f}, {s['mean_transfer_bytes'] / 2**20:.1f})")]
     out += [line("Server mean TTFT = queue + rest (ms):",
                  f"{s['server_mean_ttft_ms']:.0f} = {s['server_mean_queue_ms']:.0f} + "
-                 f"{s['server_mean_prefill_ms']:.0f}")]
+                 f"{s['server_mean_rest_ms']:.0f}")]
     for role, d in s["device"].items():
         out += [line(f"{role.capitalize()} device busy (step ms):",
                      f"{d['busy_share']:.0%} ({d['step_ms']:.1f})")]

@@ -156,7 +156,7 @@ def test_the_servers_own_ttft_splits_the_clients(run):
     rest."""
     _, result, _, _ = run
     for r in result["results"]:
-        ttft, queue, rest = (r[f"server_mean_{k}_ms"] for k in ("ttft", "queue", "prefill"))
+        ttft, queue, rest = (r[f"server_mean_{k}_ms"] for k in ("ttft", "queue", "rest"))
         assert 0 < ttft <= r["mean_ttft_ms"], r
         assert 0 <= queue and 0 <= rest and math.isclose(queue + rest, ttft, rel_tol=1e-3), r
 

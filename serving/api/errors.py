@@ -52,14 +52,14 @@ def validation_error(exc: RequestValidationError) -> APIError:
     errors = exc.errors()
     if not errors:
         return APIError("invalid request body")
-    # A union field fails once per member; a member's own validator (a value error)
-    # says more than the other members' type mismatches.
+    # A union field fails once per member tried; a member's own validator (a value
+    # error) says more than the other members' type mismatches.
     err = next((e for e in errors if e.get("type") == "value_error"), errors[0])
     loc = [_VALIDATED.sub(r"\1", str(x)) for x in err.get("loc", ()) if x != "body"]
     if err.get("type") == "json_invalid":
         return APIError(f"Invalid JSON: {err.get('msg')}")
-    # Union members appear in the path under their type names ("list[str]"); keep them,
-    # they say which reading of the field failed, but name the field itself as param.
+    # A union's member appears in the path under its type name or tag ("list[str]",
+    # "tokens"); kept, it says which reading of the field failed; param names the field.
     path = ".".join(loc)
     return APIError(f"{path or 'request body'}: {err.get('msg')}", param=loc[0] if loc else None)
 
