@@ -137,6 +137,22 @@ def test_seeded_sampling_repeats(llm, prompts):
     assert c[0].token_ids != a[0].token_ids
 
 
+@pytest.mark.parametrize("option", [dict(top_k=1), dict(min_p=1.0), dict(top_p=1e-6)])
+def test_a_filter_that_keeps_one_token_samples_the_greedy_tokens(llm, prompts, reference,
+                                                                  option):
+    """At temperature 1 the random model's tokens are draws from a wide distribution
+    (without a filter the seeded draws leave the greedy tokens); top_k=1, min_p=1 (only
+    tokens as likely as the most likely one) or a tiny top_p keep the argmax alone, so
+    the draws are the greedy tokens. An option the engine dropped would fail here."""
+    def draw(**kw):
+        sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=3, ignore_eos=True,
+                            **kw)
+        return [o.token_ids for o in llm.generate(prompts[:6], sp)]
+
+    assert draw(**option) == reference[:6]
+    assert draw() != reference[:6]
+
+
 def test_500_random_requests_no_compile_all_memory_back(llm):
     """Random lengths, sampling options, stop ids, logprobs and aborts, async
     toggled at random; the restore fixture then asserts every block and slot is
