@@ -6,7 +6,7 @@ makes a decode worker's step slower than the aggregated engine's?
 A decode worker differs from the aggregated server in two ways, and this benchmark
 times each alone, against the plain engine, with the same compiled programs (on an
 H200 neither cost anything measurable; the profile found the step's real costs:
-bench/RESULTS.md, issue 8, "Decode step: profile, then fix"):
+bench/RESULTS.md, "Decode step: profile, then fix"):
 
 * ``cache``: the registered cache (``serving.kv_transfer.allocate_registered_cache``:
   on GPU cudaMalloc'd memory imported through DLPack) instead of XLA's own arrays;

@@ -2,7 +2,7 @@
 
     python -m bench.sharded_step --preset 35B-A3B --meshes single ep2 tp2 --seqs 16 64
 
-Issue 7: on two GPUs, the preset's shapes split EP2 (experts over both devices, the
+On two GPUs, the preset's shapes split EP2 (experts over both devices, the
 rest replicated) and TP2 (heads, FFN columns and experts over both) must give the
 single device's greedy tokens, and the decode step time of each is recorded beside the
 single device's.  Per mesh, in order, one engine at a time (random weights of the same

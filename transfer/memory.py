@@ -162,7 +162,7 @@ def size_xla_pool(param_bytes: int, utilization: float) -> int | None:
     rest. Returns the device's total bytes, or None without a GPU.
 
     XLA's pool never shrinks, and grown on demand while the weights were created it kept
-    all but 11 GiB of an H200 (bench/RESULTS.md, issue 8), so an uncapped pool keeps
+    all but 11 GiB of an H200 (bench/RESULTS.md, "First light"), so an uncapped pool keeps
     memory the cache needs. Sets ``XLA_PYTHON_CLIENT_MEM_FRACTION``; a value already in
     the environment wins."""
     import torch

@@ -5,7 +5,8 @@ does, with the same parameter name and initialiser). Inside the scanned model th
 kernels reach each layer as the whole stack ([..., in, out], model.py) with the layer's
 flat index, and ``layer_matmul`` reads that layer in place at decode sizes: a per-layer
 slice of a stacked weight inside the layer scan is a copy of every dense weight on
-every step (bench/RESULTS.md, issue 8).
+every step (bench/RESULTS.md, "Decode: dense weights read in place from the layer
+stack").
 """
 
 from __future__ import annotations

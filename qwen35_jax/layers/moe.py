@@ -17,7 +17,7 @@ Stacked experts: the scanned model (model.py) passes each layer's expert weights
 whole stack over layers ([..., E, in, out]) with the layer's flat index, and the grouped
 matmul reads that layer's experts in place. Slicing a layer out of the stack inside the
 scan made XLA copy every layer's experts on every step (half of a 35B-A3B decode step on
-an H200: bench/RESULTS.md, issue 8).
+an H200: bench/RESULTS.md, "Decode step: profile, then fix").
 """
 
 from __future__ import annotations

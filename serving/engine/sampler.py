@@ -8,7 +8,8 @@ for an argmax only. Not `lax.cond`: XLA's GPU runtime copies a cond's predicate 
 host and waits for it, so a cond after the forward pass held the host in the dispatch
 call until the forward had run, and the next step's launch no longer overlapped the
 device (35B-A3B, 128 sequences, one H200: dispatch 26.7 of a 28.8 ms step with the
-conds, 5.9 of 24.7 ms without; bench/RESULTS.md, issue 8).
+conds, 5.9 of 24.7 ms without; bench/RESULTS.md, "The host waited on the sampler's
+conds").
 
 Randomness: Gumbel-max with noise from a counter-based integer hash of
 (seed, token position, vocabulary index). The draw is a pure function of the
