@@ -146,3 +146,41 @@ def add_worker_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 API_FLAGS = frozenset({"--reasoning-parser", "--tool-call-parser", "--generation-config",
                        "--stream-interval"})
 API_SWITCHES = frozenset({"--enable-auto-tool-choice"})
+
+
+def engine_kwargs(args) -> dict:
+    """EngineConfig fields from the flags; the unset ones keep the engine's defaults, or
+    on a CPU the small ones (`serving.llm.engine_defaults`). Imports the engine (and JAX)
+    when called, not with this module."""
+    from serving.engine.buckets import Buckets
+    from serving.engine.config import speculative_tokens
+    from serving.llm import engine_defaults
+
+    try:
+        k = speculative_tokens(args.speculative_config)
+    except ValueError as e:
+        raise SystemExit(f"--speculative-config: {e}") from None
+    kw = {"block_size": args.block_size, "max_logprobs": args.max_logprobs,
+          "num_speculative_tokens": k,
+          "memory_utilization": args.gpu_memory_utilization, "ep": args.ep, "tp": args.tp,
+          "track_device_idle": True,  # servers export device busy / idle time
+          "enable_prefix_caching": args.enable_prefix_caching,
+          "prefix_state_interval": args.prefix_state_interval,
+          "num_prefix_snapshots": args.num_prefix_snapshots,
+          "scheduling_policy": args.scheduling_policy,
+          "async_scheduling": args.async_scheduling,
+          "ssm_dtype": {"auto": "float32"}.get(args.mamba_ssm_cache_dtype,
+                                               args.mamba_ssm_cache_dtype)}
+    for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_blocks"):
+        if getattr(args, name) is not None:
+            kw[name] = getattr(args, name)
+    kw = engine_defaults(kw)
+    given = (args.prefill_token_buckets, args.prefill_seq_buckets, args.decode_seq_buckets)
+    if any(b is not None for b in given):
+        seqs = kw.get("max_num_seqs", 64)
+        tokens = kw.get("max_num_batched_tokens", 2048)
+        few = Buckets.few(seqs, tokens)
+        kw["buckets"] = Buckets(prefill_tokens=args.prefill_token_buckets or few.prefill_tokens,
+                                prefill_seqs=args.prefill_seq_buckets or few.prefill_seqs,
+                                decode_seqs=args.decode_seq_buckets or few.decode_seqs)
+    return kw

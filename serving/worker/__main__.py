@@ -13,7 +13,7 @@ import logging
 import os
 import time
 
-from serving.flags import add_worker_flags, server_parser
+from serving.flags import add_worker_flags, engine_kwargs, server_parser
 
 log = logging.getLogger("serving.worker")
 
@@ -30,7 +30,6 @@ def main(argv=None):
     import jax.numpy as jnp
     import uvicorn
 
-    from serving.api.server import engine_kwargs
     from serving.api.text import Tokenizer, find_tokenizer
     from serving.engine import EngineConfig
     from serving.engine.compilation_cache import use_compilation_cache
