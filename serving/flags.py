@@ -34,18 +34,21 @@ def _json_object(text: str) -> dict:
     return value
 
 
-def server_parser(prog: str = "python -m serving.api",
-                  description: str | None = None) -> argparse.ArgumentParser:
+def server_parser(prog: str = "python -m serving.api", description: str | None = None,
+                  api: bool = True) -> argparse.ArgumentParser:
     """The flags of the OpenAI server over one engine (``python -m serving.api``); the
-    launcher and the workers start from these."""
+    launcher and the workers start from these. ``api=False`` (a worker) leaves out the
+    flags of the OpenAI layer alone (API_FLAGS, API_SWITCHES, the key and served name),
+    which a worker has no use for."""
     p = argparse.ArgumentParser(prog=prog, description=description,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    api_argument = p.add_argument if api else (lambda *args, **kwargs: None)
     p.add_argument("model_tag", nargs="?", help="same as --model")
     p.add_argument("--model", default=None,
                    help="checkpoint directory or preset name (tiny, tiny-moe, ...)")
     p.add_argument("--tokenizer", default=None, help="default: the checkpoint's tokenizer.json, "
                    "or the built-in one for the tiny presets")
-    p.add_argument("--served-model-name", default=None, help="default: --model")
+    api_argument("--served-model-name", default=None, help="default: --model")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--hf-overrides", type=_json_object, default=None, metavar="JSON",
@@ -68,7 +71,7 @@ def server_parser(prog: str = "python -m serving.api",
     p.add_argument("--max-logprobs", type=int, default=20)
     p.add_argument("--max-queued-requests", type=int, default=1024,
                    help="requests waiting beyond this are answered 503")
-    p.add_argument("--api-key", default=None,
+    api_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer <key>' on the /v1 routes (401 "
                         "otherwise), as vllm serve does; default: the environment's "
                         "VLLM_API_KEY, else no key")
@@ -97,15 +100,15 @@ def server_parser(prog: str = "python -m serving.api",
                    help="expert-parallel size: experts split over ep*tp devices")
     p.add_argument("--tp", "--tensor-parallel-size", type=int, default=1,
                    help="tensor-parallel size: heads and FFN columns split over tp devices")
-    p.add_argument("--reasoning-parser", default=None, choices=["qwen3"],
+    api_argument("--reasoning-parser", default=None, choices=["qwen3"],
                    help="split a chat reply's <think> block into reasoning_content")
-    p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_CALL_PARSERS),
+    api_argument("--tool-call-parser", default=None, choices=sorted(TOOL_CALL_PARSERS),
                    help="read <tool_call> blocks of chat replies as tool_calls: hermes (JSON "
                         "bodies, Qwen3) or qwen3_coder (<function=...> bodies, Qwen3.5)")
-    p.add_argument("--enable-auto-tool-choice", action="store_true",
+    api_argument("--enable-auto-tool-choice", action="store_true",
                    help="let the model call tools (tool_choice \"auto\"); needs "
                         "--tool-call-parser")
-    p.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+    api_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
                    help="sampling defaults for fields a request leaves unset: auto, the "
                         "checkpoint's generation_config.json; vllm, none; or that file in DIR")
     p.add_argument("--mamba-ssm-cache-dtype", default="auto",
@@ -114,7 +117,7 @@ def server_parser(prog: str = "python -m serving.api",
                         "sequences exact; bfloat16 halves its memory and transfer bytes)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="prepare step N+1 on the host while the device runs step N")
-    p.add_argument("--stream-interval", type=_positive, default=1, metavar="N",
+    api_argument("--stream-interval", type=_positive, default=1, metavar="N",
                    help="tokens per streamed event: a choice's first token leaves at once, "
                         "then every N tokens and its last (fewer events at high concurrency)")
     p.add_argument("--compilation-cache-dir", default=None, metavar="DIR",

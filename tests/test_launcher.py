@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 # CPU_ENGINE_FLAGS: test_bench_disagg's programs, in the session's cache
 from bench.disagg import CPU_ENGINE_FLAGS, server_role
+from serving.flags import API_FLAGS, API_SWITCHES
 from serving.ports import free_port
 
 
@@ -180,6 +181,10 @@ def test_help_answers_without_importing_jax(module):
     r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert "--max-num-seqs" in r.stdout and r.stdout.strip().endswith("no JAX"), r.stdout[-300:]
+    # a worker lists no flag of the OpenAI layer, which the launcher keeps from it
+    api_only = ["--api-key", "--served-model-name", *sorted(API_FLAGS | API_SWITCHES)]
+    listed = [f for f in api_only if f in r.stdout]
+    assert listed == ([] if module == "serving.worker" else api_only), listed
 
 
 def test_supervise_restarts_dead_workers_until_its_budget_is_spent():

@@ -19,7 +19,7 @@ log = logging.getLogger("serving.worker")
 
 
 def parser():
-    p = add_worker_flags(server_parser("python -m serving.worker", __doc__))
+    p = add_worker_flags(server_parser("python -m serving.worker", __doc__, api=False))
     p.add_argument("--role", required=True, choices=["prefill", "decode"])
     return p
 
