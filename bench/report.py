@@ -44,6 +44,11 @@ def device_figures(server: dict, duration: float) -> dict:
     return out
 
 
+def _per(total: float, count: float) -> float:
+    """A mean from a counter pair: NaN where nothing was counted."""
+    return total / count if count else float("nan")
+
+
 def server_times(server: dict) -> dict:
     """The server's own means over the level (ms): time to first token from the HTTP
     handler's start (the body parsed), of which waiting in the engine's queue
@@ -51,12 +56,9 @@ def server_times(server: dict) -> dict:
     hand-offs between handler and engine). Beside the client's TTFT it splits what the
     server spends from what the HTTP path and the client add; NaN where the server keeps
     no such timer."""
-    out = {}
-    for key, name in zip(("ttft", "queue", "rest"), SERVER_TIMERS, strict=True):
-        n = server.get(f"{name}_count", 0.0)
-        out[f"server_mean_{key}_ms"] = (1e3 * server.get(f"{name}_sum", 0.0) / n if n
-                                        else float("nan"))
-    return out
+    return {f"server_mean_{key}_ms": 1e3 * _per(server.get(f"{name}_sum", 0.0),
+                                                 server.get(f"{name}_count", 0.0))
+            for key, name in zip(("ttft", "queue", "rest"), SERVER_TIMERS, strict=True)}
 
 
 def summarise(results: list[Result], duration: float, concurrency: int, num_gpus: int,
@@ -75,14 +77,14 @@ def summarise(results: list[Result], duration: float, concurrency: int, num_gpus
         "peak_kv_bytes": server.get("qwen35:kv_cache_bytes_in_use", 0.0),
         "peak_state_bytes": server.get("qwen35:state_bytes_in_use", 0.0),
         "transfers": transfers,
-        "mean_transfer_ms": (1e3 * server.get("vllm:nixl_xfer_time_seconds_sum", 0.0)
-                             / transfers if transfers else float("nan")),
-        "mean_transfer_ack_ms": (1e3 * server.get("qwen35:kv_transfer_ack_seconds_total", 0.0)
-                                 / transfers if transfers else float("nan")),
+        "mean_transfer_ms": 1e3 * _per(server.get("vllm:nixl_xfer_time_seconds_sum", 0.0),
+                                       transfers),
+        "mean_transfer_ack_ms": 1e3 * _per(
+            server.get("qwen35:kv_transfer_ack_seconds_total", 0.0), transfers),
         "device": device_figures(server, duration),
         **server_times(server),
-        "mean_transfer_bytes": (server.get("vllm:nixl_bytes_transferred_sum", 0.0) / transfers
-                                if transfers else float("nan")),
+        "mean_transfer_bytes": _per(server.get("vllm:nixl_bytes_transferred_sum", 0.0),
+                                    transfers),
         "max_concurrency": concurrency, "num_gpus": num_gpus, "duration": duration,
         "completed": len(ok), "failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if not r.ok})[:5],

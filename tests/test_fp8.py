@@ -28,7 +28,7 @@ from hf_reference import hf_model
 from pallas_kernels import block_fp8
 from qwen35_jax import ConfigError, get_preset, quant
 from qwen35_jax.loader import CheckpointError, checkpoint_config, from_pretrained
-from test_model import BOUND, float32_budget, forward, rel_err
+from test_model import float32_budget, forward, rel_err
 
 QC = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic",
       "fmt": "e4m3", "modules_to_not_convert": ["lm_head", "mlp.gate", "shared_expert_gate",
@@ -65,6 +65,17 @@ def _dequantize_np(q, scale):
     return q.float().numpy() * s[:q.shape[0], :q.shape[1]]
 
 
+def _quantize_in(tensors: dict, names) -> dict:
+    """Each of ``names`` in ``tensors`` to e4m3 with its ``_scale_inv`` beside it, in
+    place; returns {name: dequantised float32}."""
+    exact = {}
+    for name in names:
+        q, s = _quantize_torch(tensors[name].float())
+        tensors[name], tensors[name + "_scale_inv"] = q, s
+        exact[name] = _dequantize_np(q, s)
+    return exact
+
+
 def _to_fp8(src, dst):
     """The checkpoint at ``src`` (save_hf's) in FP8; returns {name: dequantised float64}."""
     os.makedirs(dst, exist_ok=True)
@@ -73,10 +84,7 @@ def _to_fp8(src, dst):
         if not f.endswith(".safetensors"):
             continue
         tensors = load_file(os.path.join(src, f))
-        for name in [n for n in tensors if QUANTISED.fullmatch(n)]:
-            q, s = _quantize_torch(tensors[name].float())
-            tensors[name], tensors[name + "_scale_inv"] = q, s
-            exact[name] = _dequantize_np(q, s)
+        exact |= _quantize_in(tensors, [n for n in tensors if QUANTISED.fullmatch(n)])
         save_file(tensors, os.path.join(dst, f), metadata={"format": "pt"})
     index = os.path.join(src, "model.safetensors.index.json")
     if os.path.exists(index):
@@ -293,14 +301,12 @@ def test_an_fp8_mtp_head_loads_as_its_dequantised_weights(tmp_path):
     save_pretrained(init_random(cfg, dtype=jnp.float32), src, mtp=MTP(cfg, rngs=nnx.Rngs(2)),
                     dtype=jnp.float32)
     tensors = load_file(os.path.join(src, "model.safetensors"))
-    fp8, dequantised = dict(tensors), dict(tensors)
     head = [n for n in tensors if n.startswith("mtp.") and QUANTISED.fullmatch(
         n.replace("mtp.layers.0.", "model.layers.0."))] + ["mtp.fc.weight"]
     assert any("self_attn" in n for n in head) and any("mlp" in n for n in head), head
-    for name in head:
-        q, s = _quantize_torch(tensors[name].float())
-        fp8[name], fp8[name + "_scale_inv"] = q, s
-        dequantised[name] = torch.from_numpy(_dequantize_np(q, s))
+    fp8 = dict(tensors)
+    dequantised = {**tensors, **{n: torch.from_numpy(v)
+                                 for n, v in _quantize_in(fp8, head).items()}}
     heads = {}
     for kind, ts in (("fp8", fp8), ("dequantised", dequantised), ("f32", tensors)):
         path = tmp_path / kind
