@@ -15,6 +15,11 @@ speculative-decoding rule). Output tokens/s per user are those tokens over the s
 per GPU that times ``seqs``. The engine runs each step to its end with drafts (the
 accepted count decides the next step), and with async scheduling without; both are what
 serving runs.
+
+Beside each step, its floor over the ceilings measured on the device first
+(``bench.roofline``): the target forward of k + 1 tokens a sequence at the run's mean
+context (``step_floor``), plus for k > 0 the draft program's k runs of the head, each
+reading its decoder layer (the experts its tokens touch) and the lm_head.
 """
 
 import argparse
@@ -25,6 +30,7 @@ import time
 import jax
 import numpy as np
 
+from bench.roofline import measure_ceilings, model_costs, step_floor
 from serving.engine import Engine, EngineConfig, SamplingParams
 from serving.engine.buckets import Buckets
 from serving.engine.capacity import allocate_cache
@@ -35,6 +41,31 @@ def tokens_per_step(k: int, acceptance: float) -> float:
     """Expected tokens a request keeps from a step with k drafts, each accepted with
     probability `acceptance` given the ones before it accepted."""
     return sum(acceptance ** i for i in range(k + 1))
+
+
+def draft_bytes(mtp, costs: dict, seqs: int) -> float:
+    """Bytes one run of the MTP head reads at least for ``seqs`` sequences: its weights
+    (the experts its tokens touch, as ``step_floor`` counts them) and the lm_head."""
+    from flax import nnx
+
+    dense = experts = 0
+    for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(mtp, nnx.Param)):
+        n = leaf.size * leaf.dtype.itemsize
+        if "experts_" in jax.tree_util.keystr(path):
+            experts += n
+        else:
+            dense += n
+    touched = 1 - (1 - costs["expert_share"]) ** seqs if costs["num_experts"] else 0.0
+    return dense + experts * touched + costs["head_bytes"]
+
+
+def floor_ms(costs: dict, ceilings: dict, k: int, seqs: int, context: int, mtp) -> float:
+    """The step's floor (module docstring), in ms."""
+    bw = max(ceilings["copy_bytes_per_s"], ceilings["read_bytes_per_s"])
+    f = step_floor(costs, [(context, k + 1)] * seqs)
+    target = max(f["bytes"] / bw, f["flops"] / ceilings["matmul_flops_per_s"])
+    draft = k * draft_bytes(mtp, costs, seqs) / bw if k else 0.0
+    return 1e3 * (target + draft)
 
 
 def step_seconds(engine: Engine, prompts, steps: int, repeats: int = 3) -> float:
@@ -69,6 +100,8 @@ def main(argv=None) -> dict:
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
+    on_cpu = jax.default_backend() == "cpu"
+    ceilings = measure_ceilings((64 if on_cpu else 4096) << 20, 512 if on_cpu else 8192)
     dtype = default_dtype()
     model = load_model(a.preset, dtype, 0, hf_overrides=a.hf_overrides)
     n_max = max(a.seqs)
@@ -86,28 +119,34 @@ def main(argv=None) -> dict:
             buckets=Buckets(tuple(sorted({prefill} | {n * (k + 1) for n in a.seqs if k})),
                             tuple(sorted(set(a.seqs))), tuple(sorted(set(a.seqs)))))
         mtp = load_mtp_head(a.preset, model.config, dtype, 0) if k else None
-        engine = Engine(model, allocate_cache(model.config, config, dtype), config, mtp=mtp)
+        cache = allocate_cache(model.config, config, dtype)
+        engine = Engine(model, cache, config, mtp=mtp)
+        costs = model_costs(model, {"block_bytes": cache.block_nbytes,
+                                    "slot_bytes": cache.slot_nbytes}, a.block_size)
         for n in a.seqs:
             s = step_seconds(engine, prompts[n], a.steps)
-            rows.append({"k": k, "seqs": n, "step_ms": 1e3 * s,
+            floor = floor_ms(costs, ceilings, k, n, a.prompt_len + a.steps // 2, mtp)
+            rows.append({"k": k, "seqs": n, "step_ms": 1e3 * s, "floor_ms": floor,
                          "serving_compiles": engine.compiles.serving_compiles})
-            print(f"k {k}  seqs {n:>4}  step {1e3 * s:8.2f} ms", flush=True)
+            print(f"k {k}  seqs {n:>4}  step {1e3 * s:8.2f} ms  floor {floor:8.2f} ms",
+                  flush=True)
         del engine
         gc.collect()
     base = {r["seqs"]: r["step_ms"] for r in rows if r["k"] == 0}
-    print("| k | seqs | step ms | step vs k=0 | " + " | ".join(
+    print("| k | seqs | step ms | step vs k=0 | floor ms (step / floor) | " + " | ".join(
         f"tok/s/user at a={x} (vs k=0)" for x in a.acceptance) + " |")
-    print("|---|---|---|---|" + "---|" * len(a.acceptance))
+    print("|---|---|---|---|---|" + "---|" * len(a.acceptance))
     for r in rows:
         per_user = {x: tokens_per_step(r["k"], x) / r["step_ms"] * 1e3 for x in a.acceptance}
         r["tok_s_per_user"] = per_user
         r["tok_s_per_gpu"] = {x: v * r["seqs"] for x, v in per_user.items()}
         plain = 1e3 / base[r["seqs"]]
         print(f"| {r['k']} | {r['seqs']} | {r['step_ms']:.2f} | "
-              f"{r['step_ms'] / base[r['seqs']]:.2f}x | " + " | ".join(
+              f"{r['step_ms'] / base[r['seqs']]:.2f}x | "
+              f"{r['floor_ms']:.2f} ({r['step_ms'] / r['floor_ms']:.1f}x) | " + " | ".join(
                   f"{per_user[x]:.1f} ({per_user[x] / plain:.2f}x)" for x in a.acceptance) + " |")
     result = {"preset": a.preset, "hf_overrides": a.hf_overrides,
-              "device": jax.devices()[0].device_kind, "rows": rows}
+              "device": jax.devices()[0].device_kind, "ceilings": ceilings, "rows": rows}
     if a.json:
         with open(a.json, "w") as f:
             json.dump(result, f, indent=1)
