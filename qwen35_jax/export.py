@@ -61,7 +61,7 @@ def checkpoint_tensors(model, mtp=None, dtype=jnp.bfloat16) -> dict[str, jnp.nda
     names += [f"model.language_model.layers.{i}.{sub}" for i in range(cfg.num_hidden_layers)
               for sub in _layer_names(cfg, per_expert=False)]
     for name in names:
-        tgt = loader._target(cfg, name)
+        tgt = loader.checkpoint_target(cfg, name)
         if tgt not in (None, "skip") and tgt[0] in flat:
             out[name] = _export(flat[tgt[0]], *tgt[1:])
             used.add(tgt[0])

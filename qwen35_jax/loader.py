@@ -35,7 +35,7 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded into the model: missing, malformed or unsupported."""
 
 
-def _t(x):  # nn.Linear [out, in] -> kernel [in, out]
+def transpose(x):  # nn.Linear [out, in] -> kernel [in, out]
     return x.T
 
 
@@ -47,7 +47,7 @@ def _squeeze_conv(x):  # depthwise conv1d [C, 1, K] -> [C, K]
     return x.reshape(x.shape[0], x.shape[-1])
 
 
-def _ident(x):
+def identity(x):
     return x
 
 
@@ -56,36 +56,36 @@ def _unsqueeze_conv(x):  # [C, K] -> depthwise conv1d [C, 1, K]
 
 
 # Each transform's inverse: parameter layout -> PyTorch's (the exporter's direction).
-INVERSE: dict[Callable, Callable] = {_t: _t, _swap_last: _swap_last,
-                                     _squeeze_conv: _unsqueeze_conv, _ident: _ident}
+INVERSE: dict[Callable, Callable] = {transpose: transpose, _swap_last: _swap_last,
+                                     _squeeze_conv: _unsqueeze_conv, identity: identity}
 
 
 # (layer-relative checkpoint name, parameter path inside the layer, transform).
 # Patterns are anchored regexes; a group in the pattern is substituted into the path.
 LAYER_TABLE: tuple[tuple[str, str, Callable], ...] = (
-    (r"input_layernorm\.weight", "input_layernorm.weight", _ident),
-    (r"post_attention_layernorm\.weight", "post_attention_layernorm.weight", _ident),
+    (r"input_layernorm\.weight", "input_layernorm.weight", identity),
+    (r"post_attention_layernorm\.weight", "post_attention_layernorm.weight", identity),
     (r"linear_attn\.(in_proj_qkv|in_proj_z|in_proj_b|in_proj_a|out_proj)\.weight",
-     r"linear_attn.\1.kernel", _t),
+     r"linear_attn.\1.kernel", transpose),
     (r"linear_attn\.conv1d\.weight", "linear_attn.conv1d", _squeeze_conv),
-    (r"linear_attn\.(A_log|dt_bias)", r"linear_attn.\1", _ident),
-    (r"linear_attn\.norm\.weight", "linear_attn.norm.weight", _ident),
-    (r"self_attn\.(q_proj|k_proj|v_proj|o_proj)\.weight", r"self_attn.\1.kernel", _t),
-    (r"self_attn\.(q_norm|k_norm)\.weight", r"self_attn.\1.weight", _ident),
-    (r"mlp\.(gate_proj|up_proj|down_proj)\.weight", r"mlp.\1.kernel", _t),
-    (r"mlp\.gate\.weight", "mlp.router.kernel", _t),
+    (r"linear_attn\.(A_log|dt_bias)", r"linear_attn.\1", identity),
+    (r"linear_attn\.norm\.weight", "linear_attn.norm.weight", identity),
+    (r"self_attn\.(q_proj|k_proj|v_proj|o_proj)\.weight", r"self_attn.\1.kernel", transpose),
+    (r"self_attn\.(q_norm|k_norm)\.weight", r"self_attn.\1.weight", identity),
+    (r"mlp\.(gate_proj|up_proj|down_proj)\.weight", r"mlp.\1.kernel", transpose),
+    (r"mlp\.gate\.weight", "mlp.router.kernel", transpose),
     (r"mlp\.experts\.gate_up_proj", "mlp.experts_gate_up", _swap_last),
     (r"mlp\.experts\.down_proj", "mlp.experts_down", _swap_last),
     (r"mlp\.shared_expert\.(gate_proj|up_proj|down_proj)\.weight",
-     r"mlp.shared_expert.\1.kernel", _t),
-    (r"mlp\.shared_expert_gate\.weight", "mlp.shared_expert_gate.kernel", _t),
+     r"mlp.shared_expert.\1.kernel", transpose),
+    (r"mlp\.shared_expert_gate\.weight", "mlp.shared_expert_gate.kernel", transpose),
 )
 # Per-expert 2-D tensors (an alternative on-disk layout HF also reads): expert e's
 # gate/up rows go into its slice of the fused [E, D, 2I] tensor, down into [E, I, D].
 PER_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 TOP_TABLE = {
-    "embed_tokens.weight": ("embed_tokens.embedding", _ident),
-    "norm.weight": ("norm.weight", _ident),
+    "embed_tokens.weight": ("embed_tokens.embedding", identity),
+    "norm.weight": ("norm.weight", identity),
 }
 PREFIXES = ("model.language_model.", "model.")
 IGNORED = re.compile(r"^(mtp\.|model\.visual\.|visual\.|model\.mtp\.)")  # mtp.*: mtp_checkpoint.py
@@ -94,10 +94,10 @@ QUANTISED_DTYPES = {"F8_E5M2", "I8", "U8", "I4", "U4", "F4"}  # F8_E4M3: FP8 (qu
 SCALE_SUFFIX = "_scale_inv"  # "<name>.weight_scale_inv": the block scales of "<name>.weight"
 
 
-def _target(cfg: Qwen35Config, name: str):
+def checkpoint_target(cfg: Qwen35Config, name: str):
     """Checkpoint name -> (param path, leading index tuple, transform, expert slice) or None."""
     if name == "lm_head.weight":
-        return ("lm_head.kernel", (), _t, None) if not cfg.tie_word_embeddings else "skip"
+        return ("lm_head.kernel", (), transpose, None) if not cfg.tie_word_embeddings else "skip"
     for p in PREFIXES:
         if name.startswith(p):
             rest = name[len(p):]
@@ -135,9 +135,9 @@ def layer_target(cfg: Qwen35Config, sub: str):
         e, which = int(pm.group(1)), pm.group(2)
         inter = cfg.moe_intermediate_size
         if which == "down_proj":
-            return "mlp.experts_down", (e,), _t, None
+            return "mlp.experts_down", (e,), transpose, None
         cols = slice(0, inter) if which == "gate_proj" else slice(inter, 2 * inter)
-        return "mlp.experts_gate_up", (e,), _t, cols
+        return "mlp.experts_gate_up", (e,), transpose, cols
     return None
 
 
@@ -208,7 +208,7 @@ def checkpoint_config(path: str | os.PathLike) -> Qwen35Config:
         with safe_open(shard, framework="flax") as f:
             for name in f.keys():
                 if name.endswith(".weight" + SCALE_SUFFIX) and not IGNORED.match(name):
-                    tgt = _target(cfg, name[:-len(SCALE_SUFFIX)])
+                    tgt = checkpoint_target(cfg, name[:-len(SCALE_SUFFIX)])
                     if tgt is None or tgt == "skip" or not tgt[0].startswith("groups."):
                         raise CheckpointError(f"{path}: {name!r} scales a tensor that this "
                                               "model does not hold in FP8")
@@ -316,7 +316,7 @@ def from_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, *,
                 dt = f.get_slice(name).get_dtype()
                 is_scale = name.endswith(".weight" + SCALE_SUFFIX)
                 refuse_other_formats(path, name, dt)
-                tgt = _target(cfg, name[:-len(SCALE_SUFFIX)] if is_scale else name)
+                tgt = checkpoint_target(cfg, name[:-len(SCALE_SUFFIX)] if is_scale else name)
                 if tgt == "skip":
                     continue
                 if tgt is None:

@@ -16,17 +16,17 @@ from flax import nnx
 
 from qwen35_jax import quant
 from qwen35_jax.config import Qwen35Config
-from qwen35_jax.loader import (SCALE_SUFFIX, CheckpointError, _ident, _t, layer_target,
-                               path_key, read_tensor, refuse_other_formats, shard_files)
+from qwen35_jax.loader import (SCALE_SUFFIX, CheckpointError, identity, layer_target, path_key,
+                               read_tensor, refuse_other_formats, shard_files, transpose)
 from qwen35_jax.mtp import MTP
 
 # The MTP head (qwen35_jax.mtp.MTP): "mtp." + these names, and its one decoder layer as
 # "mtp.layers.0." + a LAYER_TABLE name (per-expert 2-D experts in Qwen3.5's releases).
 MTP_TABLE = {
-    "fc.weight": ("fc.kernel", _t),
-    "pre_fc_norm_embedding.weight": ("pre_fc_norm_embedding.weight", _ident),
-    "pre_fc_norm_hidden.weight": ("pre_fc_norm_hidden.weight", _ident),
-    "norm.weight": ("norm.weight", _ident),
+    "fc.weight": ("fc.kernel", transpose),
+    "pre_fc_norm_embedding.weight": ("pre_fc_norm_embedding.weight", identity),
+    "pre_fc_norm_hidden.weight": ("pre_fc_norm_hidden.weight", identity),
+    "norm.weight": ("norm.weight", identity),
 }
 MTP_LAYER = ("mtp.layers.0.", "layer.")  # (checkpoint prefix, parameter prefix)
 
