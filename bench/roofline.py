@@ -37,19 +37,31 @@ def measure_ceilings(nbytes: int, mm: int) -> dict:
             "matmul_flops_per_s": 2 * mm ** 3 / mm_s, "ceiling_bytes": nbytes, "matmul_size": mm}
 
 
-def model_costs(model, cache_report: dict, block_size: int) -> dict:
-    """Parameter counts and bytes by role, and the cache bytes per token and slot."""
+def role_sizes(module) -> dict:
+    """A module's parameter counts and bytes by role: {role: [params, bytes]}, the roles
+    "expert", "embed", "lm_head" and "dense" (the rest)."""
     import jax
     from flax import nnx
 
-    cfg = model.config
     parts = {"expert": [0, 0], "embed": [0, 0], "lm_head": [0, 0], "dense": [0, 0]}
-    for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param)):
+    for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(module, nnx.Param)):
         name = jax.tree_util.keystr(path)
         role = ("expert" if "experts_" in name else "embed" if "embed_tokens" in name
                 else "lm_head" if "lm_head" in name else "dense")
         parts[role][0] += leaf.size
         parts[role][1] += leaf.size * leaf.dtype.itemsize
+    return parts
+
+
+def touched(c: dict, tokens: int) -> float:
+    """The share of the experts ``tokens`` routed tokens read (uniform routing)."""
+    return 1 - (1 - c["expert_share"]) ** tokens if c["num_experts"] else 0.0
+
+
+def model_costs(model, cache_report: dict, block_size: int) -> dict:
+    """Parameter counts and bytes by role, and the cache bytes per token and slot."""
+    cfg = model.config
+    parts = role_sizes(model)
     head = parts["embed"] if cfg.tie_word_embeddings else parts["lm_head"]
     return {
         "dense_params": parts["dense"][0], "dense_bytes": parts["dense"][1],
@@ -69,8 +81,7 @@ def model_costs(model, cache_report: dict, block_size: int) -> dict:
 def step_floor(c: dict, seqs) -> dict:
     """FLOPs and bytes of one step (its floor's inputs); seqs: [(start, tokens)]."""
     t = sum(n for _, n in seqs)
-    touched = 1 - (1 - c["expert_share"]) ** t if c["num_experts"] else 0.0
-    nbytes = c["dense_bytes"] + c["head_bytes"] + c["expert_bytes"] * touched
+    nbytes = c["dense_bytes"] + c["head_bytes"] + c["expert_bytes"] * touched(c, t)
     flops = 2 * t * (c["dense_params"] + c["expert_params"] * c["expert_share"])
     flops += 2 * len(seqs) * c["head_params"]
     flops += t * c["gdn_layers"] * c["gdn_value_heads"] * GDN_FLOPS_PER_DKDV * c["gdn_dkdv"]

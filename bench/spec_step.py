@@ -30,7 +30,7 @@ import time
 import jax
 import numpy as np
 
-from bench.roofline import measure_ceilings, model_costs, step_floor
+from bench.roofline import measure_ceilings, model_costs, role_sizes, step_floor, touched
 from serving.engine import Engine, EngineConfig, SamplingParams
 from serving.engine.buckets import Buckets
 from serving.engine.capacity import allocate_cache
@@ -46,17 +46,9 @@ def tokens_per_step(k: int, acceptance: float) -> float:
 def draft_bytes(mtp, costs: dict, seqs: int) -> float:
     """Bytes one run of the MTP head reads at least for ``seqs`` sequences: its weights
     (the experts its tokens touch, as ``step_floor`` counts them) and the lm_head."""
-    from flax import nnx
-
-    dense = experts = 0
-    for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(mtp, nnx.Param)):
-        n = leaf.size * leaf.dtype.itemsize
-        if "experts_" in jax.tree_util.keystr(path):
-            experts += n
-        else:
-            dense += n
-    touched = 1 - (1 - costs["expert_share"]) ** seqs if costs["num_experts"] else 0.0
-    return dense + experts * touched + costs["head_bytes"]
+    parts = role_sizes(mtp)
+    rest = sum(b for role, (_, b) in parts.items() if role != "expert")
+    return rest + parts["expert"][1] * touched(costs, seqs) + costs["head_bytes"]
 
 
 def floor_ms(costs: dict, ceilings: dict, k: int, seqs: int, context: int, mtp) -> float:
