@@ -76,8 +76,7 @@ def without_flags(argv: list[str], names, switches=frozenset()) -> list[str]:
 def worker_flags(args, argv: list[str]) -> list[str]:
     """The engine flags given on our command line, passed through to the workers."""
     return without_flags(argv, LAUNCHER_FLAGS | API_FLAGS | {
-        "--port", "--host", "--startup-timeout", "--served-model-name", "--api-key"},
-        switches=API_SWITCHES)
+        "--port", "--host", "--startup-timeout"}, switches=API_SWITCHES)
 
 
 def gpus() -> list[str]:

@@ -34,15 +34,26 @@ def _json_object(text: str) -> dict:
     return value
 
 
+# The OpenAI layer's own flags (with a value, and switches): the launcher keeps them from
+# the workers, whose parser leaves them out.
+API_FLAGS = frozenset({"--served-model-name", "--api-key", "--reasoning-parser",
+                       "--tool-call-parser", "--generation-config", "--stream-interval"})
+API_SWITCHES = frozenset({"--enable-auto-tool-choice"})
+
+
 def server_parser(prog: str = "python -m serving.api", description: str | None = None,
                   api: bool = True) -> argparse.ArgumentParser:
     """The flags of the OpenAI server over one engine (``python -m serving.api``); the
     launcher and the workers start from these. ``api=False`` (a worker) leaves out the
-    flags of the OpenAI layer alone (API_FLAGS, API_SWITCHES, the key and served name),
-    which a worker has no use for."""
+    OpenAI layer's own flags (API_FLAGS, API_SWITCHES), which a worker has no use for."""
     p = argparse.ArgumentParser(prog=prog, description=description,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    api_argument = p.add_argument if api else (lambda *args, **kwargs: None)
+
+    def api_argument(name, **kwargs):
+        assert name in API_FLAGS | API_SWITCHES, name
+        if api:
+            p.add_argument(name, **kwargs)
+
     p.add_argument("model_tag", nargs="?", help="same as --model")
     p.add_argument("--model", default=None,
                    help="checkpoint directory or preset name (tiny, tiny-moe, ...)")
@@ -143,12 +154,6 @@ def add_worker_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="expose POST /debug/faults (tests only)")
     return p
 
-
-# The server's own flags (with a value, and switches): the launcher keeps them from the
-# workers.
-API_FLAGS = frozenset({"--reasoning-parser", "--tool-call-parser", "--generation-config",
-                       "--stream-interval"})
-API_SWITCHES = frozenset({"--enable-auto-tool-choice"})
 
 
 def engine_kwargs(args) -> dict:
