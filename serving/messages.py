@@ -10,6 +10,11 @@ a message naming the field (400) before any of it reaches its engine.
     router ── DecodeAbort ──▶ decode worker    (the caller went away)
     router ── Sources ──▶ decode worker          (the prefill workers it may pull from)
     router ── PeerLost ──▶ prefill worker        (a decode worker that died)
+    router ── Abandon ──▶ prefill worker         (no decode worker will pull this request)
+
+Connections idle out at the router first (``ROUTER_IDLE_SECONDS``, its pool's keep-alive
+expiry), the workers much later (``WORKER_IDLE_SECONDS``): were the worker first, a
+request the router sends on a connection the worker is closing meets a closed socket.
 
 Token ids are checked against the model's vocabulary by the engine, which knows it.
 """
@@ -23,6 +28,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from serving.engine import RequestOutput, SamplingParams
 from transfer import Ticket
+from transfer.lease import ID as LEASE_ID
+
+ROUTER_IDLE_SECONDS = 5.0  # the router's pool closes a connection idle this long
+WORKER_IDLE_SECONDS = 60  # a worker closes one idle this long, long after the router
 
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 RequestId = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")]
@@ -138,3 +147,10 @@ class PeerLost(Message):
     """A decode worker's transfer agent that is gone: a prefill worker frees its leases."""
 
     agent: Annotated[str, Field(min_length=1, max_length=200)]
+
+
+class Abandon(Message):
+    """No decode worker will pull the request under ``lease`` (the router gave it up before
+    one accepted it): the prefill worker frees the lease now unless an agent claimed it."""
+
+    lease: Annotated[str, Field(max_length=64, pattern=f"^{LEASE_ID.pattern}$")]

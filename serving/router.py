@@ -28,8 +28,9 @@ refuses connections is gone: the prefill workers are told to free the leases it
 claimed (``PeerLost``) instead of holding them until they expire.  A decode worker
 that reports a failed transfer ends the request with that message; a channel that
 breaks ends every request on it.  Closing a stream before its request ends tells the
-worker to abort it (``/abort``).  Whatever the prefill side pinned is freed by its
-lease when no decode worker pulls it.
+worker to abort it (``/abort``).  A request no decode worker took (every one full,
+gone or failing, or the caller went away first) has its lease freed on the prefill
+worker at once (``/abandon``), not at its expiry.
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ from pydantic import ValidationError
 from serving import bucket_counts
 from serving.engine import RequestOutput, SamplingParams
 from serving.errors import EngineDead, EngineOverloaded, Unavailable, WorkerFailed
-from serving.messages import (DecodeAbort, DecodeRequest, PeerLost, PrefillRequest,
-                              PrefillResult, Sampling, Sources)
+from serving.messages import (ROUTER_IDLE_SECONDS, Abandon, DecodeAbort, DecodeRequest,
+                              PeerLost, PrefillRequest, PrefillResult, Sampling, Sources)
 from serving.output_channel import OutputChannel
 from serving.worker_pool import WorkerPool
 from serving.secret import header
@@ -125,7 +126,9 @@ class Router:
         self.decode_retry_seconds = decode_retry_seconds
         timeout = httpx.Timeout(request_timeout, connect=connect_timeout)
         self._client = httpx.AsyncClient(timeout=timeout, headers=header(secret),
-                                         limits=httpx.Limits(max_connections=None))
+                                         limits=httpx.Limits(
+                                             max_connections=None,
+                                             keepalive_expiry=ROUTER_IDLE_SECONDS))
         self._health: dict[str, str | None] = {u: None for u in self.prefill.urls + self.decode.urls}
         self._stats: dict[str, dict] = {}
         self._sources: dict[str, tuple[str, int]] = {}  # prefill url -> its transfer address
@@ -133,7 +136,7 @@ class Router:
         self._agents: dict[str, str] = {}  # decode url -> its transfer agent, as last seen
         self._poller: asyncio.Task | None = None
         self._channels: dict[str, OutputChannel] = {}  # decode url -> its output channel
-        self._notices: set[asyncio.Task] = set()  # PeerLost / abort posts in flight (kept referenced)
+        self._notices: set[asyncio.Task] = set()  # _notify's posts in flight (kept referenced)
 
     @classmethod
     def from_workers(cls, prefill_urls: list[str], decode_urls: list[str], *, secret: str,
@@ -188,10 +191,14 @@ class Router:
         if first.finished:
             return RouterStream(self, request_id, first, None)
         self._sources[url] = tuple(result.transfer.address)
-        decode = await self._start_decode(dict(
-            request_id=request_id, prompt_token_ids=list(prompt_token_ids),
-            first_token=result.token_ids[-1], params=Sampling.of(params),
-            transfer=result.transfer), keys)
+        try:
+            decode = await self._start_decode(dict(
+                request_id=request_id, prompt_token_ids=list(prompt_token_ids),
+                first_token=result.token_ids[-1], params=Sampling.of(params),
+                transfer=result.transfer), keys)
+        except BaseException:  # no decode worker took it: its lease need not wait to expire
+            self._notify(url, "/abandon", Abandon(lease=result.transfer.lease), timeout=2.0)
+            raise
         return RouterStream(self, request_id, first, decode)
 
     async def _start_decode(self, fields: dict, keys: list[bytes]):
@@ -231,6 +238,8 @@ class Router:
                     self._gone(url, repr(e))
                     continue
                 self._health[url] = repr(e)
+                if channel.id is not None:  # in case the worker took the request
+                    self._abort(url, request_id, channel.id)
                 raise WorkerFailed(f"decode worker {url} failed: {e!r}") from None
             except BaseException:  # cancelled (the caller went away), or no channel
                 channel.unregister(request_id)
@@ -320,31 +329,25 @@ class Router:
         self._registered.pop(url, None)
         if agent is None:
             return
-        body = PeerLost(agent=agent).model_dump_json()
-
-        async def tell(prefill_url):
-            try:
-                await self._client.post(f"{prefill_url}/peer_lost", content=body, timeout=2.0,
-                                        headers={"Content-Type": "application/json"})
-            except httpx.TransportError:
-                pass  # its leases expire by themselves
-
-        for prefill_url in self.prefill.urls:
-            task = asyncio.get_running_loop().create_task(tell(prefill_url))
-            self._notices.add(task)
-            task.add_done_callback(self._notices.discard)
+        for prefill_url in self.prefill.urls:  # unreachable: its leases expire by themselves
+            self._notify(prefill_url, "/peer_lost", PeerLost(agent=agent), timeout=2.0)
 
     async def abort(self, request_id: str) -> None:
         """Requests are aborted by closing their stream (``RouterStream.aclose``)."""
 
     def _abort(self, url: str, request_id: str, channel: str) -> None:
-        """Tell decode worker ``url`` that ``request_id``'s caller went away (in the
-        background: the caller does not wait; a worker that cannot be told has lost the
-        channel, which aborted the request)."""
+        """Tell decode worker ``url`` that ``request_id``'s caller went away (a worker that
+        cannot be told has lost the channel, which aborted the request)."""
+        self._notify(url, "/abort", DecodeAbort(request_id=request_id, channel=channel),
+                     timeout=5.0)
+
+    def _notify(self, url: str, path: str, message, timeout: float) -> None:
+        """Post ``message`` to ``url + path`` in the background: the caller does not wait,
+        and a worker that cannot be reached is past being told."""
         async def tell():
-            body = DecodeAbort(request_id=request_id, channel=channel).model_dump_json()
             try:
-                await self._client.post(f"{url}/abort", content=body, timeout=5.0,
+                await self._client.post(f"{url}{path}", content=message.model_dump_json(),
+                                        timeout=timeout,
                                         headers={"Content-Type": "application/json"})
             except httpx.TransportError:
                 pass

@@ -84,3 +84,16 @@ def test_an_owners_failing_on_free_does_not_stop_the_others():
     for lease, held, reason in t.take_freed():
         held.run_on_free(lease, reason)
     assert got == [(second, "expired")] and first != second
+
+
+def test_an_abandoned_lease_ends_unless_claimed():
+    """The owner learns no puller will come (the router gave the request up): an unclaimed
+    lease ends at once; a claimed one is its claimant's to end."""
+    t, lease = _table()
+    assert t.abandon(lease) and len(t) == 0
+    assert [(x, r) for x, _, r in t.take_freed()] == [(lease, "abandoned")]
+    assert not t.abandon(lease)  # ended already
+    t, lease = _table()
+    t.claim(lease, "a", now=0.0, key="k")
+    assert not t.abandon(lease) and len(t) == 1 and not t.take_freed()
+    assert t.done(lease, "a", "t1") and len(t) == 0

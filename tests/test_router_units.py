@@ -335,3 +335,66 @@ def test_a_decode_worker_that_refuses_connections_has_its_leases_freed():
     lost = {k for k in calls if len(k) == 3 and k[1] == "/peer_lost"}
     assert {k[0] for k in lost} == {"http://p0", "http://p1"}
     assert all(b'"decode-a"' in k[2] for k in lost) and "http://d0" in router._down()
+
+
+@pytest.mark.parametrize("failure", ["read_error", "full", "cancelled"])
+def test_a_request_no_decode_worker_took_has_its_lease_abandoned(failure):
+    """Prefilled, but no decode worker took it (the connection broke mid-request, every
+    worker stayed full, or the caller went away): the prefill worker is told to free the
+    lease now rather than hold the memory to its expiry; a worker the request may have
+    reached is told to abort it."""
+    import httpx
+
+    posted = []
+    channels = _Channels({})
+
+    async def handler(request):
+        path = request.url.path
+        if path == "/prefill":
+            return httpx.Response(200, json={"token_ids": [7], "transfer": TICKET})
+        if path == "/outputs":
+            return channels.outputs()
+        if path == "/sources":
+            return httpx.Response(200, json={"ok": True})
+        posted.append((request.url.host, path, json.loads(request.content)))
+        if path != "/decode":
+            return httpx.Response(200, json={"ok": True})
+        if failure == "read_error":
+            raise httpx.ReadError("", request=request)
+        if failure == "cancelled":
+            await asyncio.sleep(10)
+        return httpx.Response(503, json={"detail": "full"})
+
+    router = Router(["http://p"], ["http://d"], secret=SECRET, max_model_len=64,
+                    max_logprobs=0, decode_retry_seconds=0.0)
+    router._client = httpx.AsyncClient(transport=httpx.MockTransport(handler),
+                                       headers=router._client.headers)
+    router._ensure_polling = lambda: None
+
+    async def main():
+        task = asyncio.create_task(router.add("r", [1, 2, 3], SamplingParams(max_tokens=4)))
+        if failure == "cancelled":
+            await asyncio.sleep(0.2)
+            task.cancel()
+        with pytest.raises({"read_error": WorkerFailed, "full": EngineOverloaded,
+                            "cancelled": asyncio.CancelledError}[failure]):
+            await task
+        await asyncio.gather(*router._notices)
+
+    asyncio.run(main())
+    notices = [(host, path, body) for host, path, body in posted if path != "/decode"]
+    expected = [("p", "/abandon", {"lease": TICKET["lease"]})]
+    if failure == "read_error":
+        expected.insert(0, ("d", "/abort", {"request_id": "r", "channel": "1"}))
+    assert sorted(notices) == sorted(expected) and router.decode.load["http://d"] == 0
+
+
+def test_the_router_closes_idle_connections_before_a_worker_does():
+    """A worker closing an idle connection while the router sends on it is a request lost
+    to a closed socket (httpx ReadError): the router's pool expires idle connections
+    first, well before the workers' keep-alive."""
+    from serving.messages import ROUTER_IDLE_SECONDS, WORKER_IDLE_SECONDS
+
+    router = Router(["http://p"], ["http://d"], secret=SECRET, max_model_len=64, max_logprobs=0)
+    assert router._client._transport._pool._keepalive_expiry == ROUTER_IDLE_SECONDS
+    assert WORKER_IDLE_SECONDS >= 2 * ROUTER_IDLE_SECONDS

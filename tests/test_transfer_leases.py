@@ -226,6 +226,21 @@ def test_a_lost_puller_frees_the_leases_it_claimed():
         source.close()
 
 
+def test_an_abandoned_lease_is_freed_unless_a_puller_claimed_it(source, puller):
+    """No puller will come (the router gave the request up): an unclaimed lease is freed
+    at the next collect; a claimed one stays its claimant's, whose release frees it."""
+    log, on_free = freed_log()
+    unclaimed = source.pin(blocks([3]), on_free=on_free)
+    claimed = source.pin(blocks([4]), on_free=on_free)
+    claim = puller.claim(claimed)
+    assert source.abandon(unclaimed.lease) and not source.abandon(claimed.lease)
+    source.collect()
+    assert log == [(unclaimed.lease, "abandoned")] and source.leases == 1
+    puller.release(claim)
+    drive(source, puller, until=lambda d: len(log) == 2)
+    assert log[1] == (claimed.lease, "dropped") and source.leases == 0
+
+
 def test_unpin_frees_at_once(source):
     log, on_free = freed_log()
     params = source.pin(blocks([0]), on_free=on_free)

@@ -26,13 +26,15 @@ def test_every_worker_route_requires_the_secret():
         pytest.fail("reached the engine")
 
     worker = SimpleNamespace(role="prefill", engine=SimpleNamespace(check_health=lambda: None),
-                             stats=dict, info=dict, prefill=prefill, peer_lost=pytest.fail)
+                             stats=dict, info=dict, prefill=prefill, peer_lost=pytest.fail,
+                             abandon=pytest.fail)
     client = _client(worker)
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": SECRET}):
         for r in (client.get("/health", headers=headers), client.get("/info", headers=headers),
                   client.get("/stats", headers=headers),
                   client.post("/prefill", json=PREFILL, headers=headers),
-                  client.post("/peer_lost", json={"agent": "a"}, headers=headers)):
+                  client.post("/peer_lost", json={"agent": "a"}, headers=headers),
+                  client.post("/abandon", json={"lease": "ab.1"}, headers=headers)):
             assert r.status_code == 401, (headers, r.request.url, r.text)
     assert client.get("/health", headers=AUTH).status_code == 200
 
@@ -55,6 +57,21 @@ def test_malformed_worker_bodies_are_400s_naming_the_field(body, field):
                              prefill=prefill)
     r = _client(worker).post("/prefill", json=body, headers=AUTH)
     assert r.status_code == 400 and r.json()["detail"].startswith(field + ":"), r.json()
+
+
+def test_abandon_takes_a_lease_name_only():
+    """The router's ``/abandon`` reaches the worker with a well-formed lease name; anything
+    else is a 400 naming the field."""
+    abandoned = []
+    worker = SimpleNamespace(role="prefill", engine=SimpleNamespace(check_health=lambda: None),
+                             abandon=lambda lease: abandoned.append(lease) or True)
+    client = _client(worker)
+    for body in ({"lease": "ab 1"}, {"lease": "../x"}, {"lease": 5}, {},
+                 {"lease": "ab.1", "items": [["kv", 0, 8]]}):
+        r = client.post("/abandon", json=body, headers=AUTH)
+        assert r.status_code == 400 and r.json()["detail"].split(":")[0] in ("lease", "items")
+    r = client.post("/abandon", json={"lease": "ab12.7"}, headers=AUTH)
+    assert r.status_code == 200 and r.json() == {"freed": True} and abandoned == ["ab12.7"]
 
 
 def test_a_decode_body_names_no_items_or_cache_record():

@@ -16,7 +16,8 @@ that their manager checks every descriptor against the claimed items before post
 
 A lease ends when its claimant says ``done`` (its READ has landed), when the claimant
 ``drop``s it (its pull failed or was given up), when its TTL passes without an
-``extend``, or when the owner unpins it. Ending a lease queues it; the owner gets the
+``extend``, when the owner unpins it, or, unclaimed, when the owner learns that no
+puller will claim it (``abandon``). Ending a lease queues it; the owner gets the
 bytes back (``on_free``) from ``TransferManager.collect()`` on its own thread, never
 while the manager's lock is held.
 
@@ -153,6 +154,15 @@ class Leases:
         """The claimant gave up: end the lease now rather than at its expiry."""
         if self._claimed_by(lease, puller, "drop") is not None:
             self.free(lease, "dropped")
+
+    def abandon(self, lease: str) -> bool:
+        """No puller will claim ``lease`` (the owner learnt so): end it now unless an agent
+        claimed it, whose ``done`` or ``drop`` ends it instead. Whether it ended."""
+        held = self._held.get(lease)
+        if held is None or held.claimant is not None:
+            return False
+        self.free(lease, "abandoned")
+        return True
 
     def free_claimed_by(self, agent: str, reason: str) -> None:
         """End every lease ``agent`` claimed (the owner learnt that it is gone)."""

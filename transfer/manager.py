@@ -210,6 +210,12 @@ class TransferManager:
             held.run_on_free(lease, reason)
         return held is not None
 
+    def abandon(self, lease: str) -> bool:
+        """No puller will claim ``lease``: free it unless one has (its claimant ends it);
+        its ``on_free`` runs from ``collect()``, reason "abandoned". Whether it ended."""
+        with self._lock:
+            return self._leases.abandon(lease)
+
     @property
     def leases(self) -> int:
         """Leases currently pinned (a lease freed by ``progress()`` no longer counts, though

@@ -34,6 +34,7 @@ def main(argv=None):
     from serving.engine import EngineConfig
     from serving.engine.compilation_cache import use_compilation_cache
     from serving.llm import default_dtype, load_model
+    from serving.messages import WORKER_IDLE_SECONDS
     from serving.secret import SecretMissing, load as load_secret
     from serving.worker.app import build_app
     from serving.worker.common import param_bytes
@@ -83,7 +84,8 @@ def main(argv=None):
     app = build_app(worker, secret=secret, max_body_bytes=a.max_request_bytes,
                     fault_injection=a.enable_fault_injection)
     try:
-        uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
+        uvicorn.run(app, host=a.host, port=a.port, log_level="warning",
+                    timeout_keep_alive=WORKER_IDLE_SECONDS)
     finally:
         worker.shutdown()
 

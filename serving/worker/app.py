@@ -3,6 +3,7 @@
     GET  /health, /info, /stats
     POST /prefill      PrefillRequest -> PrefillResult                (prefill workers)
     POST /peer_lost    PeerLost: free the leases a gone decode worker claimed  (prefill)
+    POST /abandon      Abandon: free a lease no decode worker will claim       (prefill)
     GET  /outputs      NDJSON stream of DecodeOutputs: an output channel  (decode workers)
     POST /decode       DecodeRequest, its frames on the channel it names  (decode)
     POST /abort        DecodeAbort                                        (decode)
@@ -24,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from serving.body_limit import BodyLimit
 from serving.errors import EngineDead, EngineOverloaded, TransferFailed
-from serving.messages import DecodeAbort, DecodeRequest, PeerLost, PrefillRequest, Sources
+from serving.messages import Abandon, DecodeAbort, DecodeRequest, PeerLost, PrefillRequest, Sources
 from serving.worker.channels import Channels
 from serving.secret import bearer_matches
 from transfer import TransferParamsError
@@ -122,6 +123,10 @@ def build_app(worker, *, secret: str, max_body_bytes: int,
         async def peer_lost(request: Request):
             worker.peer_lost((await _body(request, PeerLost)).agent)
             return {"ok": True}
+
+        @app.post("/abandon")
+        async def abandon(request: Request):
+            return {"freed": worker.abandon((await _body(request, Abandon)).lease)}
     else:
         @app.post("/sources")
         async def sources(request: Request):

@@ -6,7 +6,8 @@ blocks and slot (``kv_transfer.source_record``); its key is a digest of the prom
 first token whose state it holds (``common.prompt_digest``), so only a decode worker continuing
 this very request can claim it, and it reads only these bytes. The memory is freed when
 the claimant's READ notification arrives, when the claimant drops the lease, when the
-lease expires, or when the router reports the claimant gone (``peer_lost``).
+lease expires, when the router reports the claimant gone (``peer_lost``), or, unclaimed,
+when the router reports that no decode worker will pull it (``abandon``).
 """
 
 from __future__ import annotations
@@ -87,6 +88,14 @@ class PrefillWorker(WorkerBase):
         claimed now rather than at their expiry; their memory returns at the next tick."""
         self.transfer.peer_lost(agent)
         self.engine.wake()
+
+    def abandon(self, lease: str) -> bool:
+        """The router gave the request under ``lease`` up before a decode worker accepted
+        it: free the lease now unless one claimed it (whose abort or pull ends it);
+        its memory returns at the next tick. Whether it ended."""
+        freed = self.transfer.abandon(lease)
+        self.engine.wake()
+        return freed
 
     def tick(self, eng) -> None:
         self.transfer.collect()  # runs on_free: leases' memory back to the pools
