@@ -8,9 +8,10 @@ sequences have length 0 and a slot past the pool, so their writes are dropped.
 
 Prefix caching adds two things.  A sequence's initial GDN state is read from
 ``init_slots`` (its own slot, or a snapshot row when a prompt continues a cached
-prefix) and written to ``slots``.  A prefill step stores the GDN state after the
-tokens before each packed index in ``snapshot_ends`` into the state row
-``snapshot_slots`` names (a row past the pool: none), in the same chunk walk.
+prefix) and written to ``slots``.  A step stores the GDN state after the tokens
+before each packed index in ``snapshot_ends`` into the state row ``snapshot_slots``
+names (a row past the pool: none): a prefill step in the same chunk walk, a decode
+step (a verify step's, with drafts) after each of its tokens.
 """
 
 from __future__ import annotations
@@ -30,7 +31,10 @@ class Batch:
     init_slots: jnp.ndarray | None = None  # int32 [N]: initial-state row (default: slots)
     snapshot_ends: jnp.ndarray | None = None  # int32 [S]: packed exclusive token ends
     snapshot_slots: jnp.ndarray | None = None  # int32 [S]: state row of each snapshot
-    is_decode: bool = struct.field(pytree_node=False, default=False)  # one token per sequence
+    # decode programs (static): every sequence continues its context from its own state
+    # (read from init_slots) with one token, or with a verify step's few (T > N: the
+    # tokens packed, the state after each but the last into the snapshot rows)
+    is_decode: bool = struct.field(pytree_node=False, default=False)
 
 
 @struct.dataclass
@@ -55,7 +59,7 @@ def step_meta(batch: Batch, *, num_blocks: int, block_size: int) -> StepMeta:
     t = batch.tokens.shape[0]
     n = batch.slots.shape[0]
     tok = jnp.arange(t, dtype=jnp.int32)
-    if batch.is_decode:
+    if batch.is_decode and t == n:  # one token a sequence
         seq = tok
         valid = batch.cu_seqlens[1:] > batch.cu_seqlens[:-1]
     else:

@@ -123,6 +123,19 @@ def test_decode_matches_oracle(ctx_len, heads, kv_heads, block_size, dtype, spli
     _check(_run(st, layer, is_decode=True, config=cfg), st, layer, dtype)
 
 
+@pytest.mark.parametrize("dtype,splits", [("float32", None), ("bfloat16", 2)])
+def test_decode_of_a_verify_step_matches_oracle(dtype, splits):
+    """The decode kernel over a verify step's tokens: up to k + 1 a sequence, packed
+    (T = 3 N here), each attending causally up to its own position; rows past cu[N]
+    are padding."""
+    rng = _rng("verify", dtype, splits)
+    lens, ctx = [3, 1, 2, 0], [40, 7, 64, 0]
+    st = make_step(rng, lens, ctx, heads=4, kv_heads=2, block_size=16,
+                   dtype=jnp.dtype(dtype), pad_tokens=3 * len(lens) - sum(lens))
+    cfg = None if splits is None else {"splits": splits}
+    _check(_run(st, 1, is_decode=True, config=cfg), st, 1, dtype)
+
+
 def test_reference_matches_oracle():
     """The CPU path (and the kernels' in-framework reference) on a packed, continuing step."""
     rng = _rng("reference")

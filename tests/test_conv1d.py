@@ -105,6 +105,28 @@ def test_conv1d_update(backend, dtype, activation):
 
 
 @pytest.mark.parametrize("backend", ["interpret", "reference"])
+def test_conv1d_update_writes_each_state_to_its_out_slot(backend):
+    """The window read from ``slots`` shifts into ``out_slots``; an out slot past the pool
+    writes nothing, a padding read neither reads nor writes."""
+    rng = np.random.default_rng(5)
+    C, K, P = 40, 4, 5
+    slots, out_slots = np.array([4, -1, 0]), np.array([1, 2, 7])
+    x = jnp.asarray(rng.standard_normal((3, C)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((C, K)) * 0.5, jnp.float32)
+    before = rng.standard_normal((P, K - 1, C)).astype(np.float32)
+    y, new = jax.jit(lambda p: causal_conv1d_update(
+        x, w, p, jnp.asarray(slots, jnp.int32), out_slots=jnp.asarray(out_slots, jnp.int32),
+        backend=backend, config=dict(update_bc=32)))(jnp.asarray(before))
+    expected = before.copy()
+    expected[1] = np.concatenate([before[4][1:], _np(x)[0][None]], 0)
+    np.testing.assert_array_equal(_np(new), expected)
+    for n, s in ((0, 4), (2, 0)):
+        win = np.concatenate([before[s], _np(x)[n][None]], 0)
+        assert rel_err(_np(y)[n], _act((win * _np(w).T).sum(0), "silu")) < F32_TOL
+    assert np.all(_np(y)[1] == 0.0)
+
+
+@pytest.mark.parametrize("backend", ["interpret", "reference"])
 def test_conv1d_update_continues_prefill(backend):
     """prefill of t tokens then update of token t+1 == prefill of t+1 tokens."""
     rng = np.random.default_rng(2)

@@ -310,6 +310,31 @@ def test_decode(backend, ratio, dtype, state_dtype, l2):
 
 
 @pytest.mark.parametrize("backend", ["interpret", "reference"])
+def test_decode_writes_each_state_to_its_out_slot(backend):
+    """Read one row, write another (a verify step keeps the state after each token): the
+    state read from ``slots`` lands in ``out_slots``; an out slot past the pool writes
+    nothing but the output is still the token's; a padding read writes nothing."""
+    rng = np.random.default_rng(11)
+    Hk, Hv, dk, dv, P = 1, 2, 16, 16, 6
+    slots = np.array([3, -1, 0, 5], np.int32)
+    out_slots = np.array([1, 2, 0, 9], np.int32)
+    q, k, v, g, beta = (a[0] for a in make_inputs(rng, 1, 4, Hk, Hv, dk, dv, jnp.float32,
+                                                     True))
+    pool0 = rng.standard_normal((P, Hv, dk, dv)) * 0.5
+    o_ref, p_ref = oracle_decode(_np(q), _np(k), _np(v), _np(g), _np(beta), pool0, slots,
+                                 dk ** -0.5, True)
+    fn = jax.jit(lambda p, *a: gdn_decode(*a, p, jnp.asarray(slots),
+                                          out_slots=jnp.asarray(out_slots),
+                                          use_qk_l2norm=True, backend=backend),
+                 donate_argnums=0)
+    o, pool = fn(jnp.asarray(pool0, jnp.float32), q, k, v, g, beta)
+    pool = _np(pool)
+    assert rel_err(_np(o), o_ref) < F32_TOL and np.all(_np(o)[1] == 0.0)
+    assert rel_err(pool[[1, 0]], p_ref[[3, 0]]) < F32_TOL
+    np.testing.assert_array_equal(pool[[2, 3, 4, 5]], pool0[[2, 3, 4, 5]].astype(np.float32))
+
+
+@pytest.mark.parametrize("backend", ["interpret", "reference"])
 def test_decode_steps_match_prefill(backend):
     """Decoding T tokens one by one through a pool == prefill of the sequence."""
     rng = np.random.default_rng(3)

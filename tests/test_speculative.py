@@ -49,8 +49,10 @@ PARAMS = {"greedy": SamplingParams(max_tokens=48, temperature=0),
 
 @pytest.mark.parametrize("k,prefix", [(1, False), (3, True)])
 def test_outputs_are_the_ones_without_drafts(prompts, reference, k, prefix):
-    """Identical outputs; and with one draft a step, the trained head's draft is the
-    model's next greedy token nearly always (every draft accepted: acceptance length 2)."""
+    """Identical outputs, with the verify steps of decoding requests in the decode
+    program (the GDN state after each token kept); and with one draft a step, the
+    trained head's draft is the model's next greedy token nearly always (every draft
+    accepted: acceptance length 2)."""
     llm = _llm(k, enable_prefix_caching=prefix)
     for name, params in PARAMS.items():
         got = [o.token_ids for o in llm.generate(prompts, params)]
@@ -59,6 +61,8 @@ def test_outputs_are_the_ones_without_drafts(prompts, reference, k, prefix):
         if name == "greedy" and k == 1:
             assert m["spec_decode_num_accepted_tokens"] >= 0.9 * m["spec_decode_num_drafts"], m
     assert m["spec_decode_num_drafts"] > 0 and m["serving_compiles"] == 0
+    steps = llm.engine.stats  # verify steps of decoding requests run the decode program
+    assert steps["decode_steps"] > 2 * steps["prefill_steps"], steps
     assert 0 < m["spec_decode_num_accepted_tokens"] <= m["spec_decode_num_draft_tokens"]
     assert sum(m["spec_decode_num_accepted_tokens_per_pos"]) == m["spec_decode_num_accepted_tokens"]
     if prefix:

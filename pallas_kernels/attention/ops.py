@@ -14,8 +14,9 @@ def paged_attention(q, kv, layer, block_tables, seq_ids, positions, *, scale,
     seq_ids, positions int32 [T] (each token's sequence and absolute position:
     it sees keys 0..position of its sequence).  The kernels also take
     cu_seqlens [N+1] (traced; tokens past cu[N] are padding) to build their
-    query tiles, and ``is_decode`` (static: one token per sequence, T == N) to
-    pick the decode variant.  Returns [T,H,hd] in q's dtype, softmax in fp32.
+    query tiles, and ``is_decode`` (static) to pick the decode variant, a
+    tile per query row: one token a sequence (T == N), or a verify step's few
+    packed by cu_seqlens.  Returns [T,H,hd] in q's dtype, softmax in fp32.
     Padding tokens get 0 from the kernels (the reference computes them over
     the clipped sequence's first key); their values are never used.
     backend: see ``pallas_kernels._dispatch``; "reference" (and "recurrent")

@@ -179,12 +179,15 @@ def query_tiles(cu_seqlens, num_tokens, bq):
 
 
 def decode_tiles(num_tokens, seq_ids, cu_seqlens):
-    """One tile per decode row; a row whose sequence is empty (padding) gets seq -1."""
+    """One tile per decode row; a padding row gets seq -1: with one row a sequence, the
+    row of an empty sequence; with more (a verify step's tokens, packed), a row past
+    cu[N]."""
     start = jnp.arange(num_tokens, dtype=jnp.int32)
     seq = jnp.asarray(seq_ids, jnp.int32)
     if cu_seqlens is not None:
         cu = jnp.asarray(cu_seqlens, jnp.int32)
-        seq = jnp.where(cu[1:] > cu[:-1], seq, -1)
+        live = cu[1:] > cu[:-1] if num_tokens == cu.shape[0] - 1 else start < cu[-1]
+        seq = jnp.where(live, seq, -1)
     return seq, start, jnp.ones((num_tokens,), jnp.int32)
 
 
@@ -214,8 +217,6 @@ def paged_attention_pallas(q, kv, layer, block_tables, seq_ids, positions, *, sc
         cfg.update(config)
     bk = int(cfg["bk"])
     if is_decode:
-        if T != N:
-            raise ValueError(f"decode needs one token per sequence (T {T}, N {N})")
         gpad = max(16, _next_pow2(group))
         bq = 1
         tseq, tstart, tlen = decode_tiles(T, seq_ids, cu_seqlens)

@@ -41,15 +41,19 @@ def causal_conv1d_prefill(x, weight, *, cu_seqlens, initial_state=None,
     return y, final, jnp.where(ok[:, None, None], states, 0)
 
 
-def causal_conv1d_update(x, weight, state_pool, slots, *, activation="silu",
+def causal_conv1d_update(x, weight, state_pool, slots, *, out_slots=None, activation="silu",
                          backend="auto", config=None):
-    """One token per sequence; state_pool [P,K-1,C]; slots int32 [N], out of
-    range = padding row (pool untouched, y 0).  Returns (y [N,C], pool)."""
+    """One token per sequence; state_pool [P,K-1,C]; slots int32 [N]: the row each
+    sequence's state is read from, out of range = padding row (pool untouched, y 0);
+    out_slots int32 [N] (default ``slots``): the row the shifted state is written to,
+    none where out of range.  Rows written must not be rows another sequence reads.
+    Returns (y [N,C], pool)."""
+    out_slots = slots if out_slots is None else out_slots
     b = resolve("conv1d_update", backend)
     if b in ("reference", "recurrent"):
-        return _ref.causal_conv1d_update_reference(x, weight, state_pool, slots,
+        return _ref.causal_conv1d_update_reference(x, weight, state_pool, slots, out_slots,
                                                    activation=activation)
     from .pallas_triton import causal_conv1d_update_pallas
-    return causal_conv1d_update_pallas(x, weight, state_pool, slots,
+    return causal_conv1d_update_pallas(x, weight, state_pool, slots, out_slots,
                                        activation=activation,
                                        interpret=(b == "interpret"), config=config)

@@ -122,8 +122,8 @@ def causal_conv1d_prefill_pallas(x, weight, *, cu_seqlens, initial_state=None,
     return y, fin
 
 
-def _update_kernel(slots_ref, x_ref, w_ref, pool_in_ref, y_ref, pool_ref, *, K, bc,
-                   C, P, activation):
+def _update_kernel(slots_ref, out_slots_ref, x_ref, w_ref, pool_in_ref, y_ref, pool_ref, *,
+                   K, bc, C, P, activation):
     del pool_in_ref
     n = pl.program_id(0)
     ic = pl.program_id(1)
@@ -147,14 +147,18 @@ def _update_kernel(slots_ref, x_ref, w_ref, pool_in_ref, y_ref, pool_ref, *, K, 
     acc = jnp.where(valid, acc, 0.0)
     plt.store(y_ref.at[n, pl.ds(c0, bc)], acc.astype(y_ref.dtype), mask=colm)
 
-    @pl.when(valid)
+    out = out_slots_ref[n]
+    written = valid & (out >= 0) & (out < P)
+    oc = jnp.where(written, out, 0)
+
+    @pl.when(written)
     def _():
         for j in range(K - 1):
-            plt.store(pool_ref.at[sc, jnp.int32(j), pl.ds(c0, bc)], win[j + 1], mask=colm)
+            plt.store(pool_ref.at[oc, jnp.int32(j), pl.ds(c0, bc)], win[j + 1], mask=colm)
 
 
-def causal_conv1d_update_pallas(x, weight, state_pool, slots, *, activation="silu",
-                                interpret=False, config=None):
+def causal_conv1d_update_pallas(x, weight, state_pool, slots, out_slots, *,
+                                activation="silu", interpret=False, config=None):
     from ..tuning import conv1d_config
     if activation not in (None, "silu", "swish"):
         raise ValueError(f"unsupported activation {activation!r}")
@@ -171,9 +175,9 @@ def causal_conv1d_update_pallas(x, weight, state_pool, slots, *, activation="sil
         out_shape=(jax.ShapeDtypeStruct((N, C), x.dtype),
                    jax.ShapeDtypeStruct(state_pool.shape, state_pool.dtype)),
         grid=(N, pl.cdiv(C, bc)),
-        input_output_aliases={3: 1},
+        input_output_aliases={4: 1},
         compiler_params=_cparams(cfg["warps"], cfg["stages"]),
         interpret=interpret,
         name="causal_conv1d_update",
-    )(slots.astype(jnp.int32), x, weight, state_pool)
+    )(slots.astype(jnp.int32), out_slots.astype(jnp.int32), x, weight, state_pool)
     return y, pool

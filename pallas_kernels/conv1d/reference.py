@@ -80,7 +80,8 @@ def causal_conv1d_prefill_reference(x, weight, *, cu_seqlens, initial_state=None
     return y, fin
 
 
-def causal_conv1d_update_reference(x, weight, state_pool, slots, *, activation="silu"):
+def causal_conv1d_update_reference(x, weight, state_pool, slots, out_slots=None, *,
+                                   activation="silu"):
     N, C = x.shape
     K = weight.shape[1]
     P = state_pool.shape[0]
@@ -93,5 +94,6 @@ def causal_conv1d_update_reference(x, weight, state_pool, slots, *, activation="
     y = _act(y, activation)
     y = jnp.where(valid[:, None], y, 0.0).astype(x.dtype)
     new = jnp.concatenate([st[:, 1:], x.astype(state_pool.dtype)[:, None, :]], 1)
-    pool = state_pool.at[jnp.where(valid, slots, P)].set(new, mode="drop")
+    out_slots = slots if out_slots is None else out_slots.astype(jnp.int32)
+    pool = state_pool.at[jnp.where(valid & (out_slots >= 0), out_slots, P)].set(new, mode="drop")
     return y, pool

@@ -2,7 +2,8 @@
 sequence against the state pool, in place.
 
 Grid (value head, row block, V tile), state tile [dk, BV] read from the pool slot,
-updated, written back in place (input_output_aliases); a program walks its block's rows
+updated, written back to the pool (input_output_aliases), to the same slot or to the
+row ``out_slots`` names; a program walks its block's rows
 in a loop that Triton pipelines (one row a program where the table says so); for 16-bit
 pools the two sums over dk are one tensor-core product (``_dk_sums_mma``), and on the
 GPU a bf16 tile is updated in inline PTX on packed pairs (``_update_packed``; interpret
@@ -23,7 +24,7 @@ from .pallas_triton import _compiler_params, plt
 from .reference import _default_scale
 
 
-def _decode_kernel(slots_ref, q_ref, k_ref, v_ref, g_ref, b_ref, pool_in_ref,
+def _decode_kernel(slots_ref, out_slots_ref, q_ref, k_ref, v_ref, g_ref, b_ref, pool_in_ref,
                    o_ref, pool_ref, *, ratio, use_l2, scale, bv, n_slots, n_rows, rows,
                    mma, packed):
     """Rows [r0, r0 + rows) of one value head and V tile. With more than one row a
@@ -43,7 +44,9 @@ def _decode_kernel(slots_ref, q_ref, k_ref, v_ref, g_ref, b_ref, pool_in_ref,
         n = jnp.where(inside, r0 + i, 0)
         slot = slots_ref[n]
         valid = inside & (slot >= 0) & (slot < n_slots)
-        sc = jnp.where(valid, slot, 0)
+        out = out_slots_ref[n]
+        written = valid & (out >= 0) & (out < n_slots)
+        sc = jnp.where(written, out, 0)
         # Loads first, the tile's above all: the normalisation synchronises the warps,
         # and loads written after it are issued only once it is done. The load has its
         # own index, the slot clamped into the pool (a padding row's tile is read and
@@ -73,7 +76,7 @@ def _decode_kernel(slots_ref, q_ref, k_ref, v_ref, g_ref, b_ref, pool_in_ref,
         S = _update_packed(S, decay, k, vn) if packed else (
             S.astype(jnp.float32) * decay + k[:, None] * vn[None, :]).astype(S.dtype)
 
-        @pl.when(valid)
+        @pl.when(written)
         def _():
             pool_ref[sc, h, :, pl.ds(v0, bv)] = S
         return carry
@@ -142,7 +145,7 @@ def _dk_sums_mma(S, k, q):
     return jnp.sum(jnp.where(c < 2, R, 0.0), axis=1), jnp.sum(jnp.where((c >= 2) & (c < 4), R, 0.0), axis=1)
 
 
-def gdn_decode_pallas(q, k, v, g, beta, state_pool, slots, *, scale=None,
+def gdn_decode_pallas(q, k, v, g, beta, state_pool, slots, out_slots, *, scale=None,
                       use_qk_l2norm=False, interpret=False, config=None):
     from ..tuning import gdn_decode_config, gpu_sm_count
     N, Hk, dk = q.shape
@@ -171,9 +174,9 @@ def gdn_decode_pallas(q, k, v, g, beta, state_pool, slots, *, scale=None,
         out_shape=(jax.ShapeDtypeStruct((N, Hv, dv), v.dtype),
                    jax.ShapeDtypeStruct(state_pool.shape, state_pool.dtype)),
         grid=(Hv, pl.cdiv(N, rows), dv // bv),
-        input_output_aliases={6: 1},
+        input_output_aliases={7: 1},
         compiler_params=_compiler_params(cfg["warps"], cfg["stages"]),
         interpret=interpret,
         name="gdn_decode",
-    )(slots.astype(jnp.int32), q, k, v, g, beta, state_pool)
+    )(slots.astype(jnp.int32), out_slots.astype(jnp.int32), q, k, v, g, beta, state_pool)
     return o, pool

@@ -334,10 +334,11 @@ def gdn_chunked_reference(q, k, v, g, beta, *, scale=None, initial_state=None,
 # ----------------------------------------------------------------------------
 # decode reference
 # ----------------------------------------------------------------------------
-def gdn_decode_reference(q, k, v, g, beta, state_pool, slots, *, scale=None,
-                         use_qk_l2norm=False):
-    """One token per sequence; state_pool [P,Hv,dk,dv]; slots int32 [N];
-    out-of-range slots are padding rows (no read, no write, output 0)."""
+def gdn_decode_reference(q, k, v, g, beta, state_pool, slots, out_slots=None, *,
+                         scale=None, use_qk_l2norm=False):
+    """One token per sequence; state_pool [P,Hv,dk,dv]; slots int32 [N] (read rows;
+    out-of-range: padding rows, no read, no write, output 0); out_slots int32 [N]
+    (written rows, default ``slots``; out of range: not written)."""
     N, Hk, dk = q.shape
     Hv = v.shape[1]
     r = Hv // Hk
@@ -356,6 +357,7 @@ def gdn_decode_reference(q, k, v, g, beta, state_pool, slots, *, scale=None,
     S = S + kf[..., None] * vn[:, :, None, :]
     o = jnp.einsum("nhkv,nhk->nhv", S, qf, precision=_HI)
     o = jnp.where(valid[:, None, None], o, 0.0).astype(v.dtype)
-    widx = jnp.where(valid, slots, P)  # P -> dropped
+    out_slots = slots if out_slots is None else out_slots.astype(jnp.int32)
+    widx = jnp.where(valid & (out_slots >= 0), out_slots, P)  # >= P -> dropped
     pool = state_pool.at[widx].set(S.astype(state_pool.dtype), mode="drop")
     return o, pool

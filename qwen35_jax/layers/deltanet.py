@@ -4,8 +4,10 @@ Separate ``in_proj_qkv / z / b / a`` projections; a causal depthwise conv with
 SiLU over ``[q | k | v]``; value head ``h`` reads key head ``h // (Hv/Hk)``;
 L2-normalised q/k; ``beta = sigmoid(b)``; ``g = -exp(A_log)·softplus(a + dt_bias)``
 in float32; gated RMSNorm on the output.  The delta rule and the conv run
-through ``pallas_kernels`` (chunked for prompts, recurrent for single tokens),
-reading and writing each sequence's state in the slot pool.  A prefill step
+through ``pallas_kernels`` (chunked for prompts; recurrent in a decode step, one
+position of every sequence a launch: its one token, or a verify step's few in turn,
+each position's state in a row of its own), reading and writing each sequence's
+state in the slot pool.  A prefill step
 with snapshot ends (prefix caching, see ``batch.py``) also scatters the states
 the kernels emit there into their rows.
 
@@ -54,11 +56,15 @@ class GatedDeltaNet(nnx.Module):
         w = self.conv1d[...]
         whole = (P(),) * 4
         if meta.is_decode:
-            conv_flat, idx = _flat_pool(conv_pool, meta.slots, layer)
-            update = per_device(lambda x, w, pool, idx: causal_conv1d_update(
-                x, w, pool, idx, activation="silu"), whole, (P(), P()))
-            mixed, conv_flat = update(mixed, w, conv_flat, idx)
-            conv_pool = conv_flat.reshape(conv_pool.shape)
+            plan = _decode_plan(meta, t, conv_pool.shape[0])
+            update = per_device(lambda x, w, pool, idx, out: causal_conv1d_update(
+                x, w, pool, idx, out_slots=out, activation="silu"), whole + (P(),),
+                (P(), P()))
+
+            def conv(x, pool, idx, out):
+                y, pool = update(x, w, pool, idx, out)
+                return (y,), pool
+            (mixed,), conv_pool = _per_position(plan, conv, (mixed,), conv_pool, layer)
         else:
             init = _gather_state(conv_pool, meta, layer)
             ends = () if meta.snapshot_ends is None else (meta.snapshot_ends,)
@@ -84,11 +90,14 @@ class GatedDeltaNet(nnx.Module):
         heads, per_head, state = P(None, split, None), P(None, split), P(None, split, None, None)
         specs = (heads, heads, heads, per_head, per_head, state, P())
         if meta.is_decode:
-            ssm_flat, idx = _flat_pool(ssm_pool, meta.slots, layer)
-            decode = per_device(lambda *args: gdn_decode(*args, use_qk_l2norm=True), specs,
-                                (heads, state))
-            o, ssm_flat = decode(q, k, v, g, beta, ssm_flat, idx)
-            ssm_pool = ssm_flat.reshape(ssm_pool.shape)
+            decode = per_device(lambda *a: gdn_decode(*a[:7], out_slots=a[7],
+                                                      use_qk_l2norm=True),
+                                specs + (P(),), (heads, state))
+
+            def rule(q, k, v, g, beta, pool, idx, out):
+                o, pool = decode(q, k, v, g, beta, pool, idx, out)
+                return (o,), pool
+            (o,), ssm_pool = _per_position(plan, rule, (q, k, v, g, beta), ssm_pool, layer)
         else:
             init = _gather_state(ssm_pool, meta, layer).astype(jnp.float32)
             ends = () if meta.snapshot_ends is None else (meta.snapshot_ends,)
@@ -126,8 +135,47 @@ def _gather_state(pool, meta, layer):
     return jnp.where(keep, state, jnp.zeros_like(state))
 
 
-def _flat_pool(pool, slots, layer):
-    """View ``[P, L, ...]`` as ``[P*L, ...]`` for the decode kernels' slot indexing; padding
-    slots (>= P) map past the end and are skipped by the kernels."""
+def _decode_plan(meta, t: int, p: int):
+    """A decode step's GDN work, per position r of its sequences' tokens (one, or a
+    verify step's few): the packed row of each sequence's r-th token (``t``: none), the
+    state row it reads (``init_slots``, then the row the previous position wrote; ``p``,
+    past the pool: none) and the row it writes (the sequence's slot after its last
+    token, the snapshot row whose end follows the token after the others)."""
+    n = meta.slots.shape[0]
+    if t == n:  # one token a sequence, in its own row
+        return [(None, meta.init_slots, meta.slots)]
+    cu = meta.cu_seqlens
+    lens = cu[1:] - cu[:-1]
+    read, plan = meta.init_slots, []
+    for r in range(t // n):
+        row = cu[:-1] + r
+        live = r < lens
+        snap = jnp.full((n,), p, jnp.int32)
+        if meta.snapshot_ends is not None:
+            kept = meta.snapshot_ends[None, :] == row[:, None] + 1  # [N, S]
+            snap = jnp.where(kept.any(1), meta.snapshot_slots[jnp.argmax(kept, 1)], p)
+        write = jnp.where(r == lens - 1, meta.slots, jnp.where(live, snap, p))
+        plan.append((jnp.where(live, row, t), jnp.where(live, read, p), write))
+        read = write
+    return plan
+
+
+def _per_position(plan, step, xs, pool, layer):
+    """Run ``step(*inputs, flat_pool, read, write) -> (outputs, flat_pool)``, a decode kernel
+    over one token a sequence, at each position of ``plan`` on this layer's rows of
+    ``pool`` ``[P, L, ...]``: each position's rows of ``xs`` ([T, ...] each) in, its
+    outputs scattered back to those rows. (outputs, pool)."""
     p, l = pool.shape[:2]
-    return pool.reshape((p * l,) + pool.shape[2:]), slots * l + layer
+    flat = pool.reshape((p * l,) + pool.shape[2:])
+    outs = None
+    for rows, read, write in plan:
+        idx, out = (jnp.where((r >= 0) & (r < p), r * l + layer, p * l) for r in (read, write))
+        if rows is None:
+            outs, flat = step(*xs, flat, idx, out)
+            continue
+        ys, flat = step(*(x.at[rows].get(mode="fill", fill_value=0) for x in xs), flat, idx,
+                        out)
+        if outs is None:
+            outs = [jnp.zeros((xs[0].shape[0],) + y.shape[1:], y.dtype) for y in ys]
+        outs = [o.at[rows].set(y, mode="drop") for o, y in zip(outs, ys)]
+    return tuple(outs), flat.reshape(pool.shape)

@@ -36,6 +36,8 @@ so the output keeps the target distribution, and every request gets the tokens i
 without drafts, greedy or seeded. The GDN state after the accepted tokens is the verify
 step's state after that token (`EngineConfig.verify_row`), which the next step starts
 from; KV written at rejected positions lies past the request's length and is rewritten.
+A verify step of decoding requests only runs the decode program (runner.py: k + 1
+tokens a sequence), the GDN recurrence writing the state after each token.
 """
 
 import dataclasses
@@ -402,7 +404,7 @@ class Engine:
         if want_lp:
             lp, top_ids, top_lp = (np.asarray(a) for a in (out.logprob, out.top_ids, out.top_logprobs))
         fed = np.asarray(self.runner.fed) if self.drafter is not None else None
-        per_seq = self.runner.rows(sched.is_decode, 1)
+        per_seq = self.runner.rows(1)
         now = time.perf_counter()
         outputs, accepted = [], [0] * len(sched.seqs)
         for i, s in enumerate(sched.seqs):

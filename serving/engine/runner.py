@@ -98,8 +98,10 @@ class Runner:
         """`num_state_rows`: rows of the cache's state arrays (default `num_slots`; more
         hold prefix-cache snapshots and verify states); `snapshots_per_step(T, N)`: GDN
         snapshots a prefill bucket emits; `drafter` (speculative decoding): its k
-        drafts are verified by prefill programs, which return k + 1 logits rows a
-        sequence, and every program returns its hidden states for the draft program."""
+        drafts are verified in the step after them, whose programs return k + 1 logits
+        rows a sequence (a decode bucket of N sequences holds N (k + 1) tokens and
+        keeps the GDN state after each but a sequence's last), and every program
+        returns its hidden states for the draft program."""
         graphdef, state = nnx.split(model)
         self._leaves, treedef = jax.tree.flatten(state)
         self.cache = cache
@@ -138,8 +140,8 @@ class Runner:
         returns seconds. `progress`: a bar on stderr over the programs, each named
         by its bucket as it is lowered and compiled."""
         t0 = time.perf_counter()
-        shapes = self.buckets.all_shapes()
-        rows = sorted({self.rows(d, n) for d, _, n in shapes})
+        shapes = [self.shape(d, t, n) for d, t, n in self.buckets.all_shapes()]
+        rows = sorted({self.rows(n) for _, _, n in shapes})
         samplers = [(n, mode) for n in rows for mode in SAMPLER_MODES]
         names = [f"{'decode' if d else 'prefill'} T={t} N={n}" for d, t, n in shapes]
         names += [f"sampler N={n} {_mode_name(mode)}" for n, mode in samplers]
@@ -175,11 +177,11 @@ class Runner:
         self._samplers = dict(zip(samplers, programs[len(shapes):]))
         logits = {}  # L -> the logits of one padding step with L rows
         for is_decode, t, n in shapes:
-            self.cache, logits[self.rows(is_decode, n)], *_ = self._programs[is_decode, t, n](
+            self.cache, logits[self.rows(n)], *_ = self._programs[is_decode, t, n](
                 self._leaves, self.cache, self.last_token, self._drafts(),
                 self._empty(t, n, is_decode))
         for n, mode in samplers:
-            out = self._run_sampler(self._empty(1, n), mode, logits[n])
+            out = self._run_sampler(self._empty(1, n // (self.k + 1)), mode, logits[n])
         jax.block_until_ready(out)
         self._addresses = self.addresses()
         return time.perf_counter() - t0
@@ -190,14 +192,19 @@ class Runner:
                                   self._empty(t, n, is_decode), is_decode)
 
     def _lower_sampler(self, mode, logits: jax.ShapeDtypeStruct):
-        x = self._empty(1, logits.shape[0])
+        x = self._empty(1, logits.shape[0] // (self.k + 1))  # rows: k + 1 a sequence
         with jax.set_mesh(self.mesh) if self.mesh is not None else nullcontext():
             return self._sample_fn.lower(logits, self.last_token, x.sampling, x.sample_slot, mode)
 
-    def rows(self, is_decode: bool, n: int) -> int:
-        """Logits rows of a bucket of `n` sequences: k + 1 a sequence in the prefill
-        programs of a speculative engine (its verify steps), else one."""
-        return n if is_decode else n * (self.k + 1)
+    def rows(self, n: int) -> int:
+        """Logits rows of a bucket of `n` sequences: k + 1 a sequence in a speculative
+        engine (a sequence's last token and its drafts), else one."""
+        return n * (self.k + 1)
+
+    def shape(self, is_decode: bool, t: int, n: int) -> tuple[bool, int, int]:
+        """The program of bucket (is_decode, T, N): a decode bucket holds k + 1 tokens a
+        sequence (its last token and its drafts)."""
+        return is_decode, n * (self.k + 1) if is_decode else t, n
 
     def draft(self, x) -> jax.Array:
         """Dispatch the drafter's program (`drafter.DraftInputs` x) over the last step's
@@ -233,8 +240,8 @@ class Runner:
     # ---- one step -------------------------------------------------------
 
     def _empty(self, t: int, n: int, is_decode: bool = True) -> StepInputs:
-        s = 0 if is_decode else self.snapshots_per_step(t, n)
-        rows = self.rows(is_decode, n)
+        s = n * self.k if is_decode else self.snapshots_per_step(t, n)  # decode: verify states
+        rows = self.rows(n)
         return StepInputs(
             tokens=np.zeros(t, np.int32), from_slot=np.full(t, -1, np.int32),
             from_draft=np.full(t, -1, np.int32),
@@ -252,9 +259,10 @@ class Runner:
         """The step's inputs. A sequence with drafts feeds its last token, then its drafts
         read from the draft buffer, and gets a logits row for each (row i * (k + 1) + r of
         sequence i); any other gets one row, its last token's."""
-        t, n = self.buckets.pick(sched.is_decode, sched.num_tokens, len(sched.seqs))
+        _, t, n = self.shape(sched.is_decode,
+                             *self.buckets.pick(sched.is_decode, sched.num_tokens, len(sched.seqs)))
         x = self._empty(t, n, sched.is_decode)
-        per_seq = self.rows(sched.is_decode, 1)
+        per_seq = self.rows(1)
         pos = snap = 0
         for i, s in enumerate(sched.seqs):
             req = s.request

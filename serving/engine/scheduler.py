@@ -28,8 +28,9 @@ snapshot row. Each step registers the full blocks it writes and takes the
 snapshots its prefill chunks pass, as many as the step's bucket holds.
 
 A step is a decode step (`is_decode`) when every scheduled request feeds
-exactly one token that continues existing context in its own slot; otherwise it
-runs through the prefill program, which also carries single-token decodes (mixed
+one token that continues existing context, with its drafts if it has any, from
+its own slot or the state a verify step left it; otherwise it runs through the
+prefill program, which also carries single-token decodes and verifies (mixed
 batch).
 """
 
@@ -293,8 +294,9 @@ class Scheduler:
             if key is not None and not req.num_cached_tokens:  # computes its prefix
                 computing.add(key)
         self._dequeue(admitted)
-        is_decode = bool(seqs) and all(s.num_tokens == 1 and s.start > 0 and s.restore is None
-                                       for s in seqs)
+        is_decode = bool(seqs) and all(
+            s.num_tokens - s.num_drafts == 1 and s.start > 0
+            and s.restore in (None, s.request.verify_state) for s in seqs)
         out = SchedulerOutput(seqs, is_decode)
         if self.prefix is not None:
             self._register(out)
