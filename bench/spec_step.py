@@ -3,9 +3,10 @@
     python -m bench.spec_step --preset 35B-A3B --hf-overrides '{"num_hidden_layers": 20}' \\
         --seqs 1 8 64 --k 1 2 3 --acceptance 0.6 0.8 1.0
 
-A step with k drafts costs nearly the same whatever it accepts: its forward pass computes
-the k + 1 fed tokens of every sequence, and the draft program the head over the accepted
-positions plus k - 1 single-token steps. So the step is timed, and the acceptance is
+A step with k drafts costs nearly the same whatever it accepts: its forward pass (the
+decode program, its bucket k + 1 tokens a sequence) computes the k + 1 fed tokens of
+every sequence, and the draft program the head over the accepted positions plus k - 1
+single-token steps. So the step is timed, and the acceptance is
 counted: one engine per k (k = 0 is decoding without drafts) runs ``seqs`` greedy
 requests of ``--prompt-len`` random tokens with a random head, whose drafts are nearly
 all rejected, and a step costs (time of a run of 1 + steps tokens - time of a run of 1
@@ -19,7 +20,9 @@ serving runs.
 Beside each step, its floor over the ceilings measured on the device first
 (``bench.roofline``): the target forward of k + 1 tokens a sequence at the run's mean
 context (``step_floor``), plus for k > 0 the draft program's k runs of the head, each
-reading its decoder layer (the experts its tokens touch) and the lm_head.
+reading its decoder layer (the experts its tokens touch) and the lm_head. ``--profile
+SEQS`` traces one step of each k at those sequence counts: its kernels, and the device's
+busy time against the step's wall time.
 """
 
 import argparse
@@ -30,6 +33,7 @@ import time
 import jax
 import numpy as np
 
+from bench import profile
 from bench.roofline import measure_ceilings, model_costs, role_sizes, step_floor, touched
 from serving.engine import Engine, EngineConfig, SamplingParams
 from serving.engine.buckets import Buckets
@@ -60,23 +64,39 @@ def floor_ms(costs: dict, ceilings: dict, k: int, seqs: int, context: int, mtp) 
     return 1e3 * (target + draft)
 
 
-def step_seconds(engine: Engine, prompts, steps: int, repeats: int = 3) -> float:
-    """Median over `repeats` of the extra time of 1 + steps tokens over 1 token, per extra
-    engine step, after one warm run."""
-    params = SamplingParams(max_tokens=1 + steps, temperature=0.0, ignore_eos=True)
-    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-
-    def run(p):
+def _runs(engine: Engine, prompts, steps: int):
+    """A run of 1 + steps greedy tokens and one of 1 token, each returning (seconds,
+    engine steps)."""
+    def run(tokens):
+        p = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
         first, t = engine.stats["steps"], time.perf_counter()
         engine.generate(prompts, [p] * len(prompts))
         return time.perf_counter() - t, engine.stats["steps"] - first
 
-    run(params)
+    return lambda: run(1 + steps), lambda: run(1)
+
+
+def step_seconds(engine: Engine, prompts, steps: int, repeats: int = 3) -> float:
+    """Median over `repeats` of the extra time of 1 + steps tokens over 1 token, per extra
+    engine step, after one warm run."""
+    long, one = _runs(engine, prompts, steps)
+    long()
     samples = []
     for _ in range(repeats):
-        (long_s, long_n), (short_s, short_n) = run(params), run(one)
+        (long_s, long_n), (short_s, short_n) = long(), one()
         samples.append((long_s - short_s) / max(long_n - short_n, 1))
     return float(np.median(samples))
+
+
+def step_profile(engine: Engine, prompts, steps: int) -> dict:
+    """One engine step's device kernels (``bench.profile``: traced runs of 1 + steps and of
+    1 token, their difference per extra engine step); its busy time beside the wall time
+    tells the device's share of the step from the host's."""
+    long, one = _runs(engine, prompts, steps)
+    counts = {}
+    a = profile.kernel_times(lambda: counts.setdefault("long", long()))
+    b = profile.kernel_times(lambda: counts.setdefault("one", one()))
+    return profile.difference(a, b, max(counts["long"][1] - counts["one"][1], 1))
 
 
 def main(argv=None) -> dict:
@@ -90,6 +110,9 @@ def main(argv=None) -> dict:
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--profile", type=int, nargs="*", default=[], metavar="SEQS",
+                   help="trace one step of every k at these sequence counts and print its "
+                        "kernels (bench.profile); on CPU the trace has no device time")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     on_cpu = jax.default_backend() == "cpu"
@@ -108,8 +131,7 @@ def main(argv=None) -> dict:
             max_num_seqs=n_max, max_num_batched_tokens=prefill, max_model_len=max_len,
             block_size=a.block_size, num_blocks=n_max * -(-max_len // a.block_size),
             eos_token_ids=tuple(model.config.eos_token_ids), num_speculative_tokens=k,
-            buckets=Buckets(tuple(sorted({prefill} | {n * (k + 1) for n in a.seqs if k})),
-                            tuple(sorted(set(a.seqs))), tuple(sorted(set(a.seqs)))))
+            buckets=Buckets((prefill,), tuple(sorted(set(a.seqs))), tuple(sorted(set(a.seqs)))))
         mtp = load_mtp_head(a.preset, model.config, dtype, 0) if k else None
         cache = allocate_cache(model.config, config, dtype)
         engine = Engine(model, cache, config, mtp=mtp)
@@ -120,6 +142,11 @@ def main(argv=None) -> dict:
             floor = floor_ms(costs, ceilings, k, n, a.prompt_len + a.steps // 2, mtp)
             rows.append({"k": k, "seqs": n, "step_ms": 1e3 * s, "floor_ms": floor,
                          "serving_compiles": engine.compiles.serving_compiles})
+            if n in a.profile:
+                step = step_profile(engine, prompts[n], a.steps)
+                rows[-1]["profile"] = {key: step[key] for key in ("wall_s", "busy_s", "kernels")}
+                print(f"one step, k {k}, {n} sequences, from the trace:\n"
+                      f"{profile.table(step)}", flush=True)
             print(f"k {k}  seqs {n:>4}  step {1e3 * s:8.2f} ms  floor {floor:8.2f} ms",
                   flush=True)
         del engine
