@@ -3,9 +3,10 @@
 The engine is not thread-safe and its `step()` blocks for as long as the
 device step takes, so it runs on one background thread that owns it
 completely. The event loop talks to that thread through a command inbox (add,
-abort) and gets outputs back through `loop.call_soon_threadsafe`; neither side
-ever waits on the other, so a slow step never stalls HTTP handling and a burst
-of HTTP requests never stalls a step. Commands are applied between steps.
+abort) and gets outputs back on its loop (`post`; a caller whose loop has closed is
+gone, and the thread serves on without it); neither side ever waits on the other, so
+a slow step never stalls HTTP handling and a burst of HTTP requests never stalls a
+step. Commands are applied between steps.
 
     stream = await engine.add(request_id, prompt_token_ids, params)  # admission
     async for out in stream: ...      # RequestOutput per step, until finished
@@ -142,7 +143,7 @@ class AsyncEngine:
         entry = self._streams.pop(request_id, None)
         if entry is not None:
             stream, loop = entry
-            loop.call_soon_threadsafe(stream._put, error)
+            post(loop, stream._put, error)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its stream ends with finish_reason "abort"."""
@@ -220,10 +221,10 @@ class AsyncEngine:
         try:
             self.connector.admit(self.engine, request_id, prompt, params, **admit)
         except Exception as e:  # noqa: BLE001 -- a bad request must not stop the loop
-            loop.call_soon_threadsafe(_settle, admitted, e)
+            post(loop, _settle, admitted, e)
         else:
             self._streams[request_id] = (stream, loop)
-            loop.call_soon_threadsafe(_settle, admitted, None)
+            post(loop, _settle, admitted, None)
         finally:
             self._applied += 1
 
@@ -231,9 +232,9 @@ class AsyncEngine:
         try:
             result = fn(self.engine)
         except Exception as e:  # noqa: BLE001 -- handed to the caller
-            loop.call_soon_threadsafe(_settle, done, e)
+            post(loop, _settle, done, e)
         else:
-            loop.call_soon_threadsafe(_resolve, done, result)
+            post(loop, _resolve, done, result)
 
     def _apply_abort(self, request_id: str) -> None:
         out = self.engine.abort(request_id)
@@ -251,16 +252,16 @@ class AsyncEngine:
             stream, loop = entry
             by_loop.setdefault(loop, []).append((stream, _detach(out)))
         for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_put_all, items)
+            post(loop, _put_all, items)
 
     def _fail_all(self, error: BaseException) -> None:
         for stream, loop in self._streams.values():
-            loop.call_soon_threadsafe(stream._put, error)
+            post(loop, stream._put, error)
         self._streams.clear()
         while self._inbox:
             command = self._inbox.popleft()
             if command[0] in ("add", "call"):  # their last two fields: future, its loop
-                command[-1].call_soon_threadsafe(_settle, command[-2], error)
+                post(command[-1], _settle, command[-2], error)
 
     def _snapshot(self) -> dict:
         """Counters read on the engine thread, so the loop never touches the
@@ -282,6 +283,16 @@ class AsyncEngine:
             **{k: m[k] for k in m if k.startswith("spec_decode_")},
             **{k: m[k] for k in ("device_busy_s", "device_idle_s", "device_steps") if k in m},
         }
+
+
+def post(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    """Run ``fn(*args)`` on a caller's ``loop``, from the engine thread. A loop that has
+    closed belongs to a caller that is gone (its ``asyncio.run`` returned): what was meant
+    for it is dropped, and the engine thread serves on."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the loop is closed
+        pass
 
 
 def _detach(out: RequestOutput) -> RequestOutput:

@@ -206,6 +206,28 @@ def test_abort_ends_the_stream():
     assert run(go, ScriptedEngine()).finish_reason == "abort"
 
 
+def test_a_caller_whose_loop_closed_leaves_the_engine_serving_others():
+    """A caller's ``asyncio.run`` returns while its request still streams (a notebook
+    cell that stopped early): what the engine thread sends to that closed loop is
+    dropped, and a caller on another loop is served to the end."""
+    ae = AsyncEngine(ScriptedEngine())
+
+    async def start():
+        stream = await ae.add("gone", [1], SamplingParams(max_tokens=1000))
+        await stream.__anext__()  # streaming; the loop closes with it unfinished
+
+    async def serve():
+        return [o async for o in ae.generate("other", [1], SamplingParams(max_tokens=40))]
+
+    try:
+        asyncio.run(start())
+        outs = asyncio.run(serve())
+        assert outs[-1].finish_reason == "length" and len(outs[-1].token_ids) == 40
+        ae.check_health()  # the engine thread is alive
+    finally:
+        ae.shutdown()
+
+
 def test_queue_bound():
     engine = ScriptedEngine()
     engine.gate.clear()  # the first step blocks: nothing more is admitted or run
