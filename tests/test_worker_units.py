@@ -19,6 +19,7 @@ from serving.kv_transfer import CacheLayout, source_record
 from serving.messages import DecodeRequest, Sampling
 from serving.worker import DecodeWorker, PrefillWorker
 from serving.worker.common import prompt_digest
+from serving.worker.pull_book import PullBook
 from transfer import Claim, HandshakeError, Ticket, TransferParamsError
 from transfer.manager import Completion, TransferError
 
@@ -74,8 +75,7 @@ def _decode_worker(eng, transfer=None, engine=None):
     """A DecodeWorker around ``eng`` without cache regions, agent or threads of its own."""
     w = DecodeWorker.__new__(DecodeWorker)
     w.transfer_timeout, w.recompute, w.sharded, w.layout = 5.0, False, False, LAYOUT
-    w._sources, w._claims, w._queued = frozenset({SOURCE}), {}, set()
-    w._pulls, w._started, w._draining, w._confirmations = {}, set(), {}, {}
+    w._sources, w.book = frozenset({SOURCE}), PullBook()
     w.counters = collections.Counter()
     w.transfer = transfer or Transfers()
     w.engine = engine or SimpleNamespace(fail=lambda r, e: w.failed.append(r))
@@ -97,9 +97,9 @@ def _with_a_pull(pull_id):
                                  SamplingParams(max_tokens=8, temperature=0))
     eng.reserve_transfers()
     w = _decode_worker(eng)
-    w._pulls[pull_id] = rid
+    w.book.pulling(pull_id, rid)
     confirmed = []
-    w._confirm = lambda r, e=None: confirmed.append((r, e))
+    w.book.confirm = lambda r, e=None: confirmed.append((r, e))
     return eng, rid, w, confirmed
 
 
@@ -135,7 +135,7 @@ def test_failed_pull_whose_read_runs_on_holds_its_memory_until_the_read_ends():
         eng.fence.wait_all()
         assert (eng.blocks.num_free == NUM_BLOCKS) == freed
         assert (eng.slots.num_free == SLOTS) == freed
-    assert rid not in eng.requests and not eng.has_unfinished() and not w._draining
+    assert rid not in eng.requests and not eng.has_unfinished() and not w.book.draining
     eng.close()
 
 
@@ -155,7 +155,7 @@ def test_recompute_does_not_wait_for_a_read_that_runs_on():
     w.transfer.completions = [
         Completion(7, "lease", TransferError("timeout", "deadline"), 0, 0, 0.0, settled=False)]
     w.tick(eng)
-    assert w.failed == [] and confirmed == [(rid, None)] and 7 in w._draining
+    assert w.failed == [] and confirmed == [(rid, None)] and 7 in w.book.draining
     late_read = jax.jit(lambda c: type(c)(c.kv.at[np.asarray(old_blocks)].set(-5),
                                           c.ssm.at[old_slot].set(-5)), donate_argnums=0)
     done, used = {}, set()
@@ -174,7 +174,7 @@ def test_recompute_does_not_wait_for_a_read_that_runs_on():
     w.transfer.settled_ids = [7]  # the READ ended
     w.tick(eng)
     eng.fence.wait_all()
-    assert eng.blocks.num_free == NUM_BLOCKS and eng.slots.num_free == SLOTS and not w._draining
+    assert eng.blocks.num_free == NUM_BLOCKS and eng.slots.num_free == SLOTS and not w.book.draining
     eng.close()
 
 
@@ -237,7 +237,7 @@ def test_decode_contacts_no_source_the_router_did_not_register():
             asyncio.run(run())
     finally:
         w.engine.shutdown()
-    assert transfers.claims == [] and w._confirmations == {} and not eng.requests
+    assert transfers.claims == [] and len(w.book) == 0 and not eng.requests
 
 
 def test_a_lease_of_another_request_is_refused_as_the_clients_mistake():
@@ -275,7 +275,7 @@ def test_decode_from_an_unreachable_source_fails_before_reserving_anything():
             asyncio.run(run())
     finally:
         w.engine.shutdown()
-    assert w._confirmations == {} and not eng.requests
+    assert len(w.book) == 0 and not eng.requests
 
 
 def test_a_full_decode_side_queues_requests_and_an_aborted_one_gives_its_claim_back():
@@ -291,7 +291,7 @@ def test_a_full_decode_side_queues_requests_and_an_aborted_one_gives_its_claim_b
                                             lease=f"abc.{i}")))[0]
                    for i, p in enumerate(prompts)]
         for _ in range(200):
-            if len(transfers.pulled) == SLOTS and w._queued == {f"r{SLOTS}", f"r{SLOTS + 1}"}:
+            if len(transfers.pulled) == SLOTS and w.book.queued == {f"r{SLOTS}", f"r{SLOTS + 1}"}:
                 break
             await asyncio.sleep(0.01)
         queued = await w.engine.call(lambda e: e.metrics()["num_waiting"])
@@ -311,7 +311,7 @@ def test_a_full_decode_side_queues_requests_and_an_aborted_one_gives_its_claim_b
         w.engine.shutdown()
     assert len(transfers.pulled) == SLOTS and queued == 2
     assert released == [claims[f"abc.{SLOTS}"]]
-    assert f"r{SLOTS}" not in w._confirmations
+    assert not w.book.is_open(f"r{SLOTS}")
 
 
 def test_confirmation_wait_ends_when_the_engine_dies():
@@ -324,11 +324,10 @@ def test_confirmation_wait_ends_when_the_engine_dies():
 
     eng.step = lost
     w = _decode_worker(eng)
-    w._claims["q"] = "a claim"
+    w.book.claims["q"] = "a claim"  # queued, not pulled
 
     async def run():
-        fut = asyncio.get_running_loop().create_future()
-        w._confirmations["r"] = (fut, asyncio.get_running_loop())
+        fut = w.book.open("r", "r's claim", asyncio.get_running_loop())
         plain = EngineConnector()  # admits a local request (whose step dies) ...
         plain.on_stop = w.on_stop  # ... and stops as the decode worker does
         aeng = AsyncEngine(eng, connector=plain)
@@ -343,7 +342,7 @@ def test_confirmation_wait_ends_when_the_engine_dies():
 
     with pytest.raises(EngineDead, match="device lost"):
         asyncio.run(run())
-    assert w.transfer.released == ["a claim"] and w._claims == {}
+    assert sorted(w.transfer.released) == ["a claim", "r's claim"] and len(w.book) == 0
     eng.close()
 
 
@@ -379,13 +378,15 @@ def test_engine_loop_waits_while_only_transfers_are_pending():
 
 
 def test_duplicate_request_id_on_decode_leaves_the_first_alone():
-    first = object()
     w = _decode_worker(_engine())
-    w._confirmations["r"] = first
+    loop = asyncio.new_event_loop()
+    first = w.book.open("r", "the first's claim", loop)
 
     with pytest.raises(ValueError, match="duplicate request id r"):
         asyncio.run(w.decode(_request([1, 2], 3)))
-    assert w._confirmations == {"r": first}
+    assert w.book.claims == {"r": "the first's claim"} and not first.done()
+    assert w.transfer.claims == [] and w.transfer.released == []
+    loop.close()
 
 
 def test_prefill_cancelled_during_admission_releases_its_hold():

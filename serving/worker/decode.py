@@ -23,7 +23,8 @@ A request's way through (``DecodeWorker``):
 
 A failed or timed-out transfer ends the request with an error, or recomputes the prompt
 locally with ``--on-transfer-failure recompute``. A client that disconnects aborts its
-request, queued or not.
+request, queued or not. What each request holds on the way (its claim, its pull, the
+future its caller awaits) is kept in a ``PullBook`` (``pull_book.py``).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ from serving.errors import TransferFailed
 from serving.kv_transfer import pull_items
 from serving.messages import DecodeRequest
 from serving.worker.common import WorkerBase, prompt_digest
-from transfer import Claim, ClaimError, HandshakeError, TransferParamsError
+from serving.worker.pull_book import PullBook
+from transfer import ClaimError, HandshakeError, TransferParamsError
 
 log = logging.getLogger("serving.worker")
 
@@ -48,18 +50,7 @@ class DecodeWorker(WorkerBase):
         # set before the base starts the engine thread, whose ticks read them
         self.transfer_timeout, self.recompute = transfer_timeout, recompute_on_failure
         self._sources: frozenset[tuple[str, int]] = frozenset()  # registered by the router
-        # request id -> its claim, from before its admission until its pull starts or the
-        # claim is given up; whichever thread pops an entry owns the claim
-        self._claims: dict[str, Claim] = {}
-        self._queued: set[str] = set()  # admitted requests waiting for memory (engine thread)
-        self._pulls: dict[int, str] = {}  # pull id -> request id (engine thread only)
-        self._started: set[int] = set()  # pulls whose request decodes before the ack
-        # failed pulls whose READ may still write into the memory their request gave up
-        # (Engine.abandon_transfer): pull id -> (blocks, slot), freed once the READ ended
-        self._draining: dict[int, tuple[list[int], int | None]] = {}
-        # request id -> (future, its loop), resolved when the transfer is acked or fails
-        # (see `decode`)
-        self._confirmations: dict[str, tuple[asyncio.Future, asyncio.AbstractEventLoop]] = {}
+        self.book = PullBook()
         super().__init__(*args, **kw)
 
     def register_sources(self, addresses) -> None:
@@ -78,7 +69,7 @@ class DecodeWorker(WorkerBase):
         already reused (a "stale" ack) ever leave the worker."""
         request_id, ticket = req.request_id, req.transfer
         prompt, first_token = list(req.prompt_token_ids), req.first_token
-        if request_id in self._confirmations:  # its entry is another request's
+        if self.book.is_open(request_id):  # its entry is another request's
             raise ValueError(f"duplicate request id {request_id}")
         if tuple(ticket.address) not in self._sources:
             raise TransferParamsError(f"{ticket.address[0]}:{ticket.address[1]} is not a "
@@ -93,70 +84,44 @@ class DecodeWorker(WorkerBase):
             if e.kind == "mismatch":  # the request names a lease of another request
                 raise TransferParamsError(f"lease {ticket.lease}: {e.detail}") from None
             raise TransferFailed(f"transfer source refused the claim ({e})") from None
-        if request_id in self._confirmations or request_id in self._claims:
+        try:
+            confirmed = self.book.open(request_id, claim, loop)
+        except ValueError:  # taken meanwhile
             self.transfer.release(claim)
-            raise ValueError(f"duplicate request id {request_id}")  # taken meanwhile
-        confirmed = loop.create_future()
-        self._confirmations[request_id] = (confirmed, loop)
-        self._claims[request_id] = claim
+            raise
         params = req.params.params()
         try:
             stream = await self.engine.add(request_id, prompt, params, first_token=first_token)
         except BaseException:
-            # Refused, or the engine died before admitting it: the claim is still ours. A
-            # request admitted before its caller went away is aborted by the engine's
-            # stream, and the tick gives its claim up.
-            claim = self._claims.pop(request_id, None)
-            if claim is not None and request_id not in self._queued:
+            # Refused, the engine died, or the caller went away: a claim no pull has taken
+            # is ours to give up (an admitted request is aborted by the engine's stream)
+            claim = self.book.withdraw(request_id)
+            if claim is not None:
                 self.transfer.release(claim)
-                self._confirmations.pop(request_id, None)
             raise
         return stream, confirmed
 
     def admit(self, eng, request_id, prompt, params, *, first_token: int) -> None:
         """Queue the request for memory (engine thread); ValueError refuses it."""
-        if request_id not in self._claims:  # its caller went away before it was admitted
-            raise ValueError(f"request {request_id} was withdrawn")
-        eng.add_remote_request(prompt, first_token, params, request_id)
-        self._queued.add(request_id)
+        self.book.admit(request_id, lambda: eng.add_remote_request(prompt, first_token, params,
+                                                                   request_id))
 
     def on_stop(self, error: BaseException) -> None:
         """No pull will be confirmed, and no claim pulled: end them (engine thread)."""
-        for request_id in list(self._confirmations):
-            self._confirm(request_id, error)
-        for request_id in list(self._claims):
-            claim = self._claims.pop(request_id, None)
-            if claim is not None:
-                self.transfer.release(claim)
-
-    def _confirm(self, request_id: str, error: BaseException | None = None) -> None:
-        """Resolve the request's confirmation (engine thread); every pull ends here."""
-        entry = self._confirmations.pop(request_id, None)
-        if entry is None:
-            return
-        future, loop = entry
-
-        def resolve():
-            if not future.done():
-                future.set_result(None) if error is None else future.set_exception(error)
-
-        try:
-            loop.call_soon_threadsafe(resolve)
-        except RuntimeError:  # the loop is closed: no caller is left to tell
-            pass
+        for claim in self.book.close(error):
+            self.transfer.release(claim)
 
     def _fail(self, eng, request_id: str, error: TransferFailed) -> None:
         """End a request whose transfer cannot go on, and free what it holds."""
         self.engine.fail(request_id, error)
         eng.abort(request_id)
-        self._confirm(request_id, error)
+        self.book.confirm(request_id, error)
 
     def _start_pulls(self, eng) -> None:
         """Pulls into the memory reserved for queued requests now; claims of queued
         requests that were aborted meanwhile are given up."""
         for request_id, blocks, slot, shared, n in eng.reserve_transfers():
-            self._queued.discard(request_id)
-            claim = self._claims.pop(request_id, None)
+            claim = self.book.reserved(request_id)
             if claim is None:  # its caller went away: the abort follows
                 eng.abort(request_id)
                 eng.finish_transfer(request_id, ok=False)
@@ -172,14 +137,12 @@ class DecodeWorker(WorkerBase):
                 self._fail(eng, request_id, TransferFailed(f"KV/state transfer refused ({e})"))
                 eng.finish_transfer(request_id, ok=False)
                 continue
-            self._pulls[pull_id] = request_id
+            self.book.pulling(pull_id, request_id)
             self.counters["transfer_cached_tokens"] += shared * self.layout.block_size
-        for request_id in [r for r in self._queued if not eng.has_request(r)]:  # aborted
-            self._queued.discard(request_id)
-            claim = self._claims.pop(request_id, None)
+        for request_id, claim in self.book.aborted(eng.has_request):
             if claim is not None:
                 self.transfer.release(claim)
-            self._confirm(request_id, TransferFailed("aborted while waiting for memory"))
+            self.book.confirm(request_id, TransferFailed("aborted while waiting for memory"))
 
     def tick(self, eng) -> None:
         """Between steps, on the engine thread: apply what the transfers handed back, then
@@ -187,14 +150,10 @@ class DecodeWorker(WorkerBase):
         completions = self.transfer.collect()
         landed = self.transfer.landed()
         if not self.recompute:  # (a recompute must not follow tokens already computed)
-            for pull_id in landed:
-                if pull_id in self._pulls:
-                    eng.finish_transfer(self._pulls[pull_id], ok=True)  # decode may start
-                    self._started.add(pull_id)
+            for request_id in self.book.landed(landed):
+                eng.finish_transfer(request_id, ok=True)  # decode may start
         for c in completions:
-            request_id = self._pulls.pop(c.pull_id, None)
-            started = c.pull_id in self._started
-            self._started.discard(c.pull_id)
+            request_id, started = self.book.completed(c.pull_id)
             if request_id is None:
                 continue
             if c.ok:
@@ -209,7 +168,7 @@ class DecodeWorker(WorkerBase):
                 h["transfer_descs"].observe(c.descriptors)
                 if not started:
                     eng.finish_transfer(request_id, ok=True)
-                self._confirm(request_id)
+                self.book.confirm(request_id)
                 continue
             self.counters["transfer_failures"] += 1
             log.error("transfer for %s failed: %s", request_id, c.error)
@@ -218,7 +177,7 @@ class DecodeWorker(WorkerBase):
                 if started:  # it decoded from landed bytes: the abort freed its memory
                     continue
             else:
-                self._confirm(request_id)
+                self.book.confirm(request_id)
             # The request's memory is still the transfer's. A READ that has ended: free
             # the memory, or recompute the prompt in it. One that may still land bytes
             # there: the request gives the memory up now (a recompute runs in fresh
@@ -226,14 +185,11 @@ class DecodeWorker(WorkerBase):
             if c.settled:
                 eng.finish_transfer(request_id, ok=False)
             else:
-                self._draining[c.pull_id] = eng.abandon_transfer(request_id)
-        for pull_id in self.transfer.settled():  # after the completions that it follows
-            memory = self._draining.pop(pull_id, None)
-            if memory is not None:
-                eng.free_memory(memory)
+                self.book.drain(c.pull_id, eng.abandon_transfer(request_id))
+        for memory in self.book.drained(self.transfer.settled()):  # after their completions
+            eng.free_memory(memory)
         self._start_pulls(eng)
 
     def stats(self) -> dict:
-        return {**super().stats(), "pending_pulls": len(self._pulls),
-                "draining_pulls": len(self._draining), "queued_transfers": len(self._queued)}
+        return {**super().stats(), **self.book.stats()}
 
