@@ -82,8 +82,7 @@ def causal_conv1d_prefill_reference(x, weight, *, cu_seqlens, initial_state=None
 
 def causal_conv1d_update_reference(x, weight, state_pool, slots, out_slots=None, *,
                                    activation="silu"):
-    N, C = x.shape
-    K = weight.shape[1]
+    """``ops.causal_conv1d_update``'s contract, in jnp."""
     P = state_pool.shape[0]
     slots = slots.astype(jnp.int32)
     valid = (slots >= 0) & (slots < P)
