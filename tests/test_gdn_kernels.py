@@ -334,6 +334,44 @@ def test_decode_writes_each_state_to_its_out_slot(backend):
     np.testing.assert_array_equal(pool[[2, 3, 4, 5]], pool0[[2, 3, 4, 5]].astype(np.float32))
 
 
+@pytest.mark.parametrize("backend,state_dtype", [("interpret", "float32"),
+                                                  ("interpret", "bfloat16"),
+                                                  ("reference", "float32")])
+def test_decode_of_a_verify_step_stores_the_state_after_each_token(backend, state_dtype):
+    """R tokens a sequence in one launch, up to ``lengths`` each: the outputs and the state
+    after each token (in the row ``out_slots`` names) are the float64 recurrence's from
+    the state read once; positions past a sequence's length and padding rows write
+    nothing and output 0."""
+    rng = np.random.default_rng(17)
+    Hk, Hv, dk, dv, P, R = 2, 4, 16, 32, 10, 3
+    slots, lengths = np.array([2, 0, -1], np.int32), np.array([3, 1, 0], np.int32)
+    out_slots = np.array([[4, 5, 1], [3, 9, 8], [6, 7, 2]], np.int32)
+    N = len(slots)
+    q, k, v, g, beta = make_inputs(rng, N, R, Hk, Hv, dk, dv, jnp.float32, True)
+    sdt = jnp.dtype(state_dtype)
+    pool0 = np.asarray(jnp.asarray(jnp.asarray(rng.standard_normal((P, Hv, dk, dv)) * 0.5,
+                                               sdt), jnp.float32), np.float64)
+    fn = jax.jit(lambda p, *a: gdn_decode(
+        *a, p, jnp.asarray(slots), out_slots=jnp.asarray(out_slots),
+        lengths=jnp.asarray(lengths), use_qk_l2norm=True, backend=backend,
+        config=dict(bv=16)), donate_argnums=0)
+    o, pool = fn(jnp.asarray(pool0, sdt), q, k, v, g, beta)
+    o, pool = _np(o), np.asarray(jnp.asarray(pool, jnp.float32), np.float64)
+    want = pool0.copy()
+    tol = F32_TOL if state_dtype == "float32" else BF16_TOL
+    for n in range(2):
+        state = pool0[slots[n]][None]
+        for r in range(lengths[n]):
+            on, state = oracle_prefill(*(_np(x)[n, r:r + 1] for x in (q, k, v, g, beta)),
+                                       [0, 1], state, dk ** -0.5, True)
+            assert rel_err(o[n, r], on[0]) < tol, (n, r)
+            want[out_slots[n, r]] = state[0]
+    assert np.all(o[0, 3:] == 0) and np.all(o[1, 1:] == 0) and np.all(o[2] == 0)
+    written = [4, 5, 1, 3]
+    assert rel_err(pool[written], want[written]) < tol
+    np.testing.assert_array_equal(pool[[0, 2, 6, 7, 8, 9]], pool0[[0, 2, 6, 7, 8, 9]])
+
+
 @pytest.mark.parametrize("backend", ["interpret", "reference"])
 def test_decode_steps_match_prefill(backend):
     """Decoding T tokens one by one through a pool == prefill of the sequence."""

@@ -38,26 +38,30 @@ def gdn_prefill(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=
                               config=config, **kw)
 
 
-def gdn_decode(q, k, v, g, beta, state_pool, slots, *, out_slots=None, scale=None,
-               use_qk_l2norm=False, backend="auto", config=None):
-    """One decode token per sequence against a state pool.
+def gdn_decode(q, k, v, g, beta, state_pool, slots, *, out_slots=None, lengths=None,
+               scale=None, use_qk_l2norm=False, backend="auto", config=None):
+    """Decode tokens against a state pool: one a sequence, or a verify step's few.
 
-    q, k [N,Hk,dk]; v [N,Hv,dv]; g, beta [N,Hv]; state_pool [P,Hv,dk,dv]
-    float32 or bfloat16; slots int32 [N]: the row each sequence's state is read
-    from, a slot outside [0, P) being a padding row (no read, no write, output
-    0); out_slots int32 [N] (default ``slots``): the row the updated state is
-    written to, none where outside [0, P) (a verify step keeps the state after
-    each of its tokens in a row of its own).  Rows written must not be rows
-    another sequence reads.  Math in fp32; the state is stored back in the
-    pool's dtype.  Returns (o [N,Hv,dv] in v.dtype, updated pool); the Pallas
-    path aliases the pool (in place under jit with donation).
+    One token a sequence: q, k [N,Hk,dk]; v [N,Hv,dv]; g, beta [N,Hv]. A verify step's:
+    q, k [N,R,Hk,dk]; v [N,R,Hv,dv]; g, beta [N,R,Hv], sequence n's first ``lengths[n]``
+    tokens in turn (the rest padding: output 0, nothing written). state_pool [P,Hv,dk,dv]
+    float32 or bfloat16; slots int32 [N]: the row each sequence's state is read from, a
+    slot outside [0, P) being a padding row (no read, no write, output 0); out_slots
+    int32 [N] (or [N,R]: after each token; default ``slots``): the row the updated state
+    is written to, none where outside [0, P).  Rows written must not be rows another
+    sequence reads.  Math in fp32; the state is stored, and carried to a sequence's next
+    token, in the pool's dtype.  Returns (o shaped as v, in v.dtype; updated pool); the
+    Pallas path aliases the pool (in place under jit with donation).
     """
-    out_slots = slots if out_slots is None else out_slots
+    if out_slots is None:
+        if q.ndim == 4:
+            raise ValueError("a verify step's tokens need out_slots [N, R]")
+        out_slots = slots
     b = resolve("gdn_decode", backend)
     if b in ("reference", "recurrent"):
         return _ref.gdn_decode_reference(q, k, v, g, beta, state_pool, slots, out_slots,
-                                         scale=scale, use_qk_l2norm=use_qk_l2norm)
+                                         lengths, scale=scale, use_qk_l2norm=use_qk_l2norm)
     from .pallas_triton_decode import gdn_decode_pallas
-    return gdn_decode_pallas(q, k, v, g, beta, state_pool, slots, out_slots, scale=scale,
-                             use_qk_l2norm=use_qk_l2norm,
+    return gdn_decode_pallas(q, k, v, g, beta, state_pool, slots, out_slots, lengths,
+                             scale=scale, use_qk_l2norm=use_qk_l2norm,
                              interpret=(b == "interpret"), config=config)

@@ -1,5 +1,6 @@
 """Pallas (Triton-flavoured) decode kernel for the gated delta rule: one token per
-sequence against the state pool, in place.
+sequence against the state pool, in place; or a verify step's few tokens a sequence, in
+turn, the state read once and stored after each.
 
 Grid (value head, row block, V tile), state tile [dk, BV] read from the pool slot,
 updated, written back to the pool (input_output_aliases), to the same slot or to the
@@ -24,13 +25,14 @@ from .pallas_triton import _compiler_params, plt
 from .reference import _default_scale
 
 
-def _decode_kernel(slots_ref, out_slots_ref, q_ref, k_ref, v_ref, g_ref, b_ref, pool_in_ref,
-                   o_ref, pool_ref, *, ratio, use_l2, scale, bv, n_slots, n_rows, rows,
-                   mma, packed):
-    """Rows [r0, r0 + rows) of one value head and V tile. With more than one row a
-    program the rows are a loop, which Triton software-pipelines: the next row's tile is
-    copied into shared memory (cp.async) while this one's is updated
-    (bench/RESULTS.md, "GDN kernels": decode)."""
+def _decode_kernel(slots_ref, out_slots_ref, lens_ref, q_ref, k_ref, v_ref, g_ref, b_ref,
+                   pool_in_ref, o_ref, pool_ref, *, ratio, use_l2, scale, bv, n_slots,
+                   n_rows, rows, positions, mma, packed):
+    """Rows [r0, r0 + rows) of one value head and V tile, each over its ``positions``
+    tokens (one; or a verify step's, the tile kept on chip between them and stored after
+    each). With more than one row a program the rows are a loop, which Triton
+    software-pipelines: the next row's tile is copied into shared memory (cp.async) while
+    this one's is updated (bench/RESULTS.md, "GDN kernels": decode)."""
     del pool_in_ref  # aliased with pool_ref
     # heads vary fastest: programs launched together read one slot's contiguous heads
     h = pl.program_id(0)
@@ -44,41 +46,43 @@ def _decode_kernel(slots_ref, out_slots_ref, q_ref, k_ref, v_ref, g_ref, b_ref, 
         n = jnp.where(inside, r0 + i, 0)
         slot = slots_ref[n]
         valid = inside & (slot >= 0) & (slot < n_slots)
-        out = out_slots_ref[n]
-        written = valid & (out >= 0) & (out < n_slots)
-        sc = jnp.where(written, out, 0)
+        length = lens_ref[n]
         # Loads first, the tile's above all: the normalisation synchronises the warps,
         # and loads written after it are issued only once it is done. The load has its
         # own index, the slot clamped into the pool (a padding row's tile is read and
         # dropped), so the loop does not carry its pointers to the store: 154 registers
         # a thread, 3 CTAs an SM, where sharing the store's index allows 2.
         S = pool_ref[jnp.clip(slot, 0, n_slots - 1), h, :, pl.ds(v0, bv)]  # [dk, bv]
-        q = q_ref[n, hk, :].astype(jnp.float32)
-        k = k_ref[n, hk, :].astype(jnp.float32)
-        v = v_ref[n, h, pl.ds(v0, bv)].astype(jnp.float32)
-        decay = jnp.exp(g_ref[n, h].astype(jnp.float32))
-        bt = b_ref[n, h].astype(jnp.float32)
-        if use_l2:
-            q = q * lax.rsqrt(jnp.sum(q * q) + 1e-6)
-            k = k * lax.rsqrt(jnp.sum(k * k) + 1e-6)
-        q = q * scale
-        # Both sums over dk read the state before the update, so neither waits for the
-        # other (o = S'^T q = decay S^T q + vn (k . q) with S' = decay S + k vn^T), and
-        # the decay scales the sums rather than the tile.
-        kv, sq = _dk_sums_mma(S, k, q) if mma else _dk_sums(S.astype(jnp.float32), k, q)
-        vn = bt * (v - decay * kv)
-        o = decay * sq + vn * jnp.sum(k * q)
+        for p in range(positions):
+            live = valid & (p < length)
+            q = q_ref[n, p, hk, :].astype(jnp.float32)
+            k = k_ref[n, p, hk, :].astype(jnp.float32)
+            v = v_ref[n, p, h, pl.ds(v0, bv)].astype(jnp.float32)
+            decay = jnp.exp(g_ref[n, p, h].astype(jnp.float32))
+            bt = b_ref[n, p, h].astype(jnp.float32)
+            if use_l2:
+                q = q * lax.rsqrt(jnp.sum(q * q) + 1e-6)
+                k = k * lax.rsqrt(jnp.sum(k * k) + 1e-6)
+            q = q * scale
+            # Both sums over dk read the state before the update, so neither waits for
+            # the other (o = S'^T q = decay S^T q + vn (k . q) with S' = decay S + k vn^T),
+            # and the decay scales the sums rather than the tile.
+            kv, sq = _dk_sums_mma(S, k, q) if mma else _dk_sums(S.astype(jnp.float32), k, q)
+            vn = bt * (v - decay * kv)
+            o = decay * sq + vn * jnp.sum(k * q)
 
-        @pl.when(inside)
-        def _():
-            o_ref[n, h, pl.ds(v0, bv)] = jnp.where(valid, o, 0.0).astype(o_ref.dtype)
+            @pl.when(inside)
+            def _():
+                o_ref[n, p, h, pl.ds(v0, bv)] = jnp.where(live, o, 0.0).astype(o_ref.dtype)
 
-        S = _update_packed(S, decay, k, vn) if packed else (
-            S.astype(jnp.float32) * decay + k[:, None] * vn[None, :]).astype(S.dtype)
+            S = _update_packed(S, decay, k, vn) if packed else (
+                S.astype(jnp.float32) * decay + k[:, None] * vn[None, :]).astype(S.dtype)
+            out = out_slots_ref[n, p]
+            written = live & (out >= 0) & (out < n_slots)
 
-        @pl.when(written)
-        def _():
-            pool_ref[sc, h, :, pl.ds(v0, bv)] = S
+            @pl.when(written)
+            def _():
+                pool_ref[jnp.where(written, out, 0), h, :, pl.ds(v0, bv)] = S
         return carry
 
     if rows == 1:
@@ -145,11 +149,15 @@ def _dk_sums_mma(S, k, q):
     return jnp.sum(jnp.where(c < 2, R, 0.0), axis=1), jnp.sum(jnp.where((c >= 2) & (c < 4), R, 0.0), axis=1)
 
 
-def gdn_decode_pallas(q, k, v, g, beta, state_pool, slots, out_slots, *, scale=None,
-                      use_qk_l2norm=False, interpret=False, config=None):
+def gdn_decode_pallas(q, k, v, g, beta, state_pool, slots, out_slots, lengths=None, *,
+                      scale=None, use_qk_l2norm=False, interpret=False, config=None):
     from ..tuning import gdn_decode_config, gpu_sm_count
-    N, Hk, dk = q.shape
-    Hv, dv = v.shape[1], v.shape[2]
+    one = q.ndim == 3  # one token a sequence; else [N, R, ...], up to R each
+    if one:
+        q, k, v, g, beta, out_slots = (x[:, None] for x in (q, k, v, g, beta, out_slots))
+    N, R, Hk, dk = q.shape
+    Hv, dv = v.shape[2], v.shape[3]
+    lengths = jnp.ones((N,), jnp.int32) if lengths is None else lengths
     P = state_pool.shape[0]
     scale = _default_scale(scale, dk)
     cfg = dict(gdn_decode_config(dv, state_pool.dtype))
@@ -169,14 +177,15 @@ def gdn_decode_pallas(q, k, v, g, beta, state_pool, slots, out_slots, *, scale=N
     o, pool = pl.pallas_call(
         functools.partial(_decode_kernel, ratio=Hv // Hk, use_l2=use_qk_l2norm,
                           scale=float(scale), bv=bv, n_slots=P, n_rows=N, rows=rows,
-                          mma=cfg["mma"] and state_pool.dtype.itemsize == 2,
+                          positions=R, mma=cfg["mma"] and state_pool.dtype.itemsize == 2,
                           packed=state_pool.dtype == jnp.bfloat16 and not interpret),
-        out_shape=(jax.ShapeDtypeStruct((N, Hv, dv), v.dtype),
+        out_shape=(jax.ShapeDtypeStruct((N, R, Hv, dv), v.dtype),
                    jax.ShapeDtypeStruct(state_pool.shape, state_pool.dtype)),
         grid=(Hv, pl.cdiv(N, rows), dv // bv),
-        input_output_aliases={7: 1},
+        input_output_aliases={8: 1},
         compiler_params=_compiler_params(cfg["warps"], cfg["stages"]),
         interpret=interpret,
         name="gdn_decode",
-    )(slots.astype(jnp.int32), out_slots.astype(jnp.int32), q, k, v, g, beta, state_pool)
-    return o, pool
+    )(slots.astype(jnp.int32), out_slots.astype(jnp.int32), lengths.astype(jnp.int32),
+      q, k, v, g, beta, state_pool)
+    return (o[:, 0] if one else o), pool

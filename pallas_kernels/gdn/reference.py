@@ -334,30 +334,39 @@ def gdn_chunked_reference(q, k, v, g, beta, *, scale=None, initial_state=None,
 # ----------------------------------------------------------------------------
 # decode reference
 # ----------------------------------------------------------------------------
-def gdn_decode_reference(q, k, v, g, beta, state_pool, slots, out_slots=None, *,
-                         scale=None, use_qk_l2norm=False):
-    """One token per sequence; state_pool [P,Hv,dk,dv]; slots int32 [N] (read rows;
-    out-of-range: padding rows, no read, no write, output 0); out_slots int32 [N]
-    (written rows, default ``slots``; out of range: not written)."""
-    N, Hk, dk = q.shape
-    Hv = v.shape[1]
-    r = Hv // Hk
+def gdn_decode_reference(q, k, v, g, beta, state_pool, slots, out_slots=None, lengths=None,
+                         *, scale=None, use_qk_l2norm=False):
+    """``ops.gdn_decode``'s contract in jnp: one token a sequence (q [N,Hk,dk], out_slots
+    [N]) or up to R (q [N,R,Hk,dk], out_slots [N,R], ``lengths`` [N]), the state rounded
+    to the pool's dtype after each token as the kernel stores it."""
+    one = q.ndim == 3
+    if one:
+        q, k, v, g, beta = (x[:, None] for x in (q, k, v, g, beta))
+        out_slots = None if out_slots is None else out_slots[:, None]
+    N, R, Hk, dk = q.shape
+    Hv = v.shape[2]
     P = state_pool.shape[0]
     scale = _default_scale(scale, dk)
     qf, kf = _prep_qk(q, k, scale, use_qk_l2norm)
-    qf = jnp.repeat(qf, r, axis=1)
-    kf = jnp.repeat(kf, r, axis=1)
+    qf = jnp.repeat(qf, Hv // Hk, axis=2)
+    kf = jnp.repeat(kf, Hv // Hk, axis=2)
     slots = slots.astype(jnp.int32)
     valid = (slots >= 0) & (slots < P)
-    sc = jnp.where(valid, slots, 0)
-    S = state_pool[sc].astype(jnp.float32)  # [N,Hv,dk,dv]
-    S = S * jnp.exp(g.astype(jnp.float32))[:, :, None, None]
-    kv = jnp.einsum("nhkv,nhk->nhv", S, kf, precision=_HI)
-    vn = beta.astype(jnp.float32)[:, :, None] * (v.astype(jnp.float32) - kv)
-    S = S + kf[..., None] * vn[:, :, None, :]
-    o = jnp.einsum("nhkv,nhk->nhv", S, qf, precision=_HI)
-    o = jnp.where(valid[:, None, None], o, 0.0).astype(v.dtype)
-    out_slots = slots if out_slots is None else out_slots.astype(jnp.int32)
-    widx = jnp.where(valid & (out_slots >= 0), out_slots, P)  # >= P -> dropped
-    pool = state_pool.at[widx].set(S.astype(state_pool.dtype), mode="drop")
-    return o, pool
+    out_slots = slots[:, None] if out_slots is None else out_slots.astype(jnp.int32)
+    lengths = jnp.ones((N,), jnp.int32) if lengths is None else lengths.astype(jnp.int32)
+    S = state_pool[jnp.where(valid, slots, 0)].astype(jnp.float32)  # [N,Hv,dk,dv]
+    pool, outs = state_pool, []
+    for r in range(R):
+        live = valid & (r < lengths)
+        S = S * jnp.exp(g[:, r].astype(jnp.float32))[:, :, None, None]
+        kv = jnp.einsum("nhkv,nhk->nhv", S, kf[:, r], precision=_HI)
+        vn = beta[:, r].astype(jnp.float32)[:, :, None] * (v[:, r].astype(jnp.float32) - kv)
+        S = S + kf[:, r, ..., None] * vn[:, :, None, :]
+        o = jnp.einsum("nhkv,nhk->nhv", S, qf[:, r], precision=_HI)
+        outs.append(jnp.where(live[:, None, None], o, 0.0).astype(v.dtype))
+        stored = S.astype(state_pool.dtype)
+        widx = jnp.where(live & (out_slots[:, r] >= 0), out_slots[:, r], P)  # >= P: dropped
+        pool = pool.at[widx].set(stored, mode="drop")
+        S = stored.astype(jnp.float32)  # the next token continues from the stored state
+    o = jnp.stack(outs, axis=1)
+    return (o[:, 0] if one else o), pool

@@ -4,10 +4,10 @@ Separate ``in_proj_qkv / z / b / a`` projections; a causal depthwise conv with
 SiLU over ``[q | k | v]``; value head ``h`` reads key head ``h // (Hv/Hk)``;
 L2-normalised q/k; ``beta = sigmoid(b)``; ``g = -exp(A_log)·softplus(a + dt_bias)``
 in float32; gated RMSNorm on the output.  The delta rule and the conv run
-through ``pallas_kernels`` (chunked for prompts; recurrent in a decode step, one
-position of every sequence a launch: its one token, or a verify step's few in turn,
-each position's state in a row of its own), reading and writing each sequence's
-state in the slot pool.  A prefill step
+through ``pallas_kernels`` (chunked for prompts; recurrent in a decode step: one
+token a sequence, or a verify step's few, the conv a launch a position and the delta
+rule one launch that carries each state across them, each position's state stored in
+a row of its own), reading and writing each sequence's state in the slot pool.  A prefill step
 with snapshot ends (prefix caching, see ``batch.py``) also scatters the states
 the kernels emit there into their rows.
 
@@ -89,7 +89,7 @@ class GatedDeltaNet(nnx.Module):
             q, k = (jnp.repeat(y, self.hv // self.hk, axis=1) for y in (q, k))
         heads, per_head, state = P(None, split, None), P(None, split), P(None, split, None, None)
         specs = (heads, heads, heads, per_head, per_head, state, P())
-        if meta.is_decode:
+        if meta.is_decode and plan[0][0] is None:  # one token a sequence
             decode = per_device(lambda *a: gdn_decode(*a[:7], out_slots=a[7],
                                                       use_qk_l2norm=True),
                                 specs + (P(),), (heads, state))
@@ -98,6 +98,8 @@ class GatedDeltaNet(nnx.Module):
                 o, pool = decode(q, k, v, g, beta, pool, idx, out)
                 return (o,), pool
             (o,), ssm_pool = _per_position(plan, rule, (q, k, v, g, beta), ssm_pool, layer)
+        elif meta.is_decode:  # a verify step's tokens: the state read once, stored after each
+            o, ssm_pool = _verify(plan, (q, k, v, g, beta), ssm_pool, layer, split, meta)
         else:
             init = _gather_state(ssm_pool, meta, layer).astype(jnp.float32)
             ends = () if meta.snapshot_ends is None else (meta.snapshot_ends,)
@@ -139,8 +141,8 @@ def _decode_plan(meta, t: int, p: int):
     """A decode step's GDN work, per position r of its sequences' tokens (one, or a
     verify step's few): the packed row of each sequence's r-th token (``t``: none), the
     state row it reads (``init_slots``, then the row the previous position wrote; ``p``,
-    past the pool: none) and the row it writes (the sequence's slot after its last
-    token, the snapshot row whose end follows the token after the others)."""
+    past the pool: none) and the row it writes (after a sequence's last token its slot;
+    after any other, the snapshot row whose end is just past that token)."""
     n = meta.slots.shape[0]
     if t == n:  # one token a sequence, in its own row
         return [(None, meta.init_slots, meta.slots)]
@@ -158,6 +160,28 @@ def _decode_plan(meta, t: int, p: int):
         plan.append((jnp.where(live, row, t), jnp.where(live, read, p), write))
         read = write
     return plan
+
+
+def _verify(plan, xs, pool, layer, split, meta):
+    """The delta rule over a verify step's tokens in one launch (``gdn_decode`` with R
+    positions): each sequence's state read once from the first position's row, written
+    after each token to the row ``plan`` names for it. (o [T, Hv, dv], pool)."""
+    p, l = pool.shape[:2]
+    rows = jnp.stack([r for r, _, _ in plan], axis=1)  # [N, R]; T: no token
+    writes = jnp.stack([w for _, _, w in plan], axis=1)
+    idx, out = (jnp.where((r >= 0) & (r < p), r * l + layer, p * l)
+                for r in (plan[0][1], writes))
+    lengths = meta.cu_seqlens[1:] - meta.cu_seqlens[:-1]
+    heads, per_head = P(None, None, split, None), P(None, None, split)
+    decode = per_device(lambda q, k, v, g, beta, pool, idx, out, lengths: gdn_decode(
+        q, k, v, g, beta, pool, idx, out_slots=out, lengths=lengths, use_qk_l2norm=True),
+        (heads, heads, heads, per_head, per_head, P(None, split, None, None), P(), P(), P()),
+        (heads, P(None, split, None, None)))
+    ins = [x.at[rows].get(mode="fill", fill_value=0) for x in xs]
+    flat = pool.reshape((p * l,) + pool.shape[2:])
+    o, flat = decode(*ins, flat, idx, out, lengths)
+    o = jnp.zeros((xs[0].shape[0],) + o.shape[2:], o.dtype).at[rows].set(o, mode="drop")
+    return o, flat.reshape(pool.shape)
 
 
 def _per_position(plan, step, xs, pool, layer):
