@@ -8,6 +8,8 @@ Knows regions, offsets and lengths, never models or requests (it imports nothing
 * ``agent``: a NIXL agent (UCX) with its regions registered once;
 * ``handshake``: side channel for metadata, the compatibility check and claims, behind
   the workers' shared secret;
+* ``peers``: the agents a manager has shaken hands with, and where the dialled ones
+  listen;
 * ``drain``: failed pulls whose READ still runs, held until NIXL ends it;
 * ``lease``: the source's leases: bytes pinned until their claimant is done with them;
 * ``ticket``: what a source hands a puller, and what claiming it returns;

@@ -90,6 +90,7 @@ from transfer.agent import Agent
 from transfer.handshake import (Address, CompatibilityError, HandshakeServer, Hello,
                                 claim as claim_lease, exchange, ping)
 from transfer.lease import Leases
+from transfer.peers import Peers
 from transfer.pulls import PEER_GONE, Completion, Pulls, TransferError
 from transfer.ticket import Claim, Ticket
 
@@ -125,11 +126,10 @@ class TransferManager:
         self.lease_ttl = lease_ttl
         self._hello = Hello(agent.name, agent.metadata(), agent.regions, compat)
         self._incoming: queue.SimpleQueue[Hello] = queue.SimpleQueue()  # accepted by the server
-        self._peers: dict[str, Hello] = {}
-        self._addresses: dict[str, Address] = {}
+        self._peers = Peers(agent)
         epoch = uuid.uuid4().hex[:8]
         self._leases = Leases(epoch)  # the source side
-        self._pulls = Pulls(agent, epoch, self._peers, self._addresses, self._send)  # the puller's
+        self._pulls = Pulls(agent, epoch, self._peers, self._send)  # the puller's
         self._lock = threading.Lock()  # guards all of the above and every NIXL call
         self.opened = threading.Event()
         self._server = HandshakeServer(self._hello, self._incoming.put, secret=secret,
@@ -153,14 +153,8 @@ class TransferManager:
         peer = exchange(tuple(address), self._hello, self._secret, timeout)  # unlocked
         self.agent.bind_thread()
         with self._lock:
-            self._add_peer(peer)
-            self._addresses[peer.agent] = tuple(address)
+            self._peers.add(peer, address)
         return peer.agent
-
-    def _add_peer(self, peer: Hello) -> None:
-        if peer.agent not in self._peers:
-            self.agent.add_peer(peer.metadata)
-            self._peers[peer.agent] = peer
 
     def peer_lost(self, name: str) -> None:
         """The owner learnt that peer ``name`` is gone: fail its pulls, free the leases it
@@ -169,9 +163,7 @@ class TransferManager:
         with self._lock:
             self._leases.free_claimed_by(name, PEER_GONE)
             self._pulls.peer_lost(name)
-            known = self._peers.pop(name, None)
-            self._addresses.pop(name, None)
-            if known is not None:
+            if self._peers.forget(name):
                 self._pulls.drains.remove_peer(name)
 
     # ---- source side ---------------------------------------------------------------------
@@ -303,7 +295,7 @@ class TransferManager:
             raise TransferParamsError(f"stale params: {address[0]}:{address[1]} is now agent {found!r}, "
                                       f"not {agent!r} (the source restarted)")
         with self._lock:
-            return self._peers[agent]
+            return self._peers.get(agent)
 
     @property
     def pending(self) -> int:
@@ -337,7 +329,7 @@ class TransferManager:
             suspects, self._pulls.suspects = self._pulls.suspects, []
             if not suspects:  # the usual case: one lock scope a call
                 return self._ready()
-            addresses = {p.peer: self._addresses.get(p.peer) for p, *_ in suspects}
+            addresses = {p.peer: self._peers.address(p.peer) for p, *_ in suspects}
         # failed pulls whose peer may be gone: pinged without the lock (another thread's
         # pin, pull or progress would wait up to 0.2 s a ping)
         alive = {peer: address is not None and ping(address, timeout=0.2)  # None: forgotten
@@ -363,7 +355,7 @@ class TransferManager:
 
     def _progress(self) -> None:
         while not self._incoming.empty():  # pullers that connected to us: needed for acks
-            self._add_peer(self._incoming.get())
+            self._peers.add(self._incoming.get())
         now = time.monotonic()
         for sender, messages in self.agent.notifications().items():
             for m in messages:

@@ -22,7 +22,7 @@ from typing import Callable
 from transfer import descriptors
 from transfer.agent import Agent, PeerDisconnected
 from transfer.drain import Drains
-from transfer.handshake import Address, Hello
+from transfer.peers import Peers
 from transfer.ticket import Claim
 
 ERROR, TIMEOUT, PEER_GONE, STALE = "error", "timeout", "peer_gone", "stale"
@@ -91,12 +91,12 @@ class _Open:
 
 
 class Pulls:
-    def __init__(self, agent: Agent, epoch: str, peers: dict[str, Hello],
-                 addresses: dict[str, Address], send: Callable[[str, str], None]):
-        """``peers`` and ``addresses`` are the manager's (known peers, and where the
-        connected ones listen); ``send(peer, message)`` notifies a peer."""
+    def __init__(self, agent: Agent, epoch: str, peers: Peers,
+                 send: Callable[[str, str], None]):
+        """``peers`` are the manager's (``transfer.peers``); ``send(peer, message)``
+        notifies a peer."""
         self.agent, self._epoch, self._send = agent, epoch, send
-        self._peers, self._addresses = peers, addresses
+        self._peers = peers
         self._ids = itertools.count()
         self.pulls: dict[int, _Pull] = {}
         self.open: dict[tuple[str, str], _Open] = {}  # (agent, lease) -> a claim not yet pulled
@@ -159,7 +159,7 @@ class Pulls:
             p.read_done = True
             self.landed.append(p.id)
             return
-        peer_mem = next(iter(self._peers[p.peer].regions.values())).mem_type  # one type per agent
+        peer_mem = next(iter(self._peers.get(p.peer).regions.values())).mem_type  # one a peer
         try:
             p.handle, state = self.agent.read(p.peer, p.plan.local, p.plan.remote, peer_mem, msg)
         except PeerDisconnected as e:
@@ -214,7 +214,7 @@ class Pulls:
         if kind in (ERROR, TIMEOUT):
             if p.peer not in self._peers:
                 kind, detail = PEER_GONE, f"{detail}; peer {p.peer} no longer answers"
-            elif self._addresses.get(p.peer) is not None:
+            elif self._peers.address(p.peer) is not None:
                 self.suspects.append((p, kind, detail, notify))
                 return
         self._conclude(p, kind, detail, notify)
