@@ -164,7 +164,7 @@ class TransferManager:
             self._leases.free_claimed_by(name, PEER_GONE)
             self._pulls.peer_lost(name)
             if self._peers.forget(name):
-                self._pulls.drains.remove_peer(name)
+                self._pulls.forget_drains_of(name)
 
     # ---- source side ---------------------------------------------------------------------
 
@@ -300,7 +300,7 @@ class TransferManager:
     @property
     def pending(self) -> int:
         """Pulls not yet completed."""
-        return len(self._pulls.pulls) + len(self._pulls.suspects)
+        return self._pulls.pending
 
     def pull_poll(self, default: float) -> float:
         """Seconds between polls while a READ is in flight: ``POLL_VRAM_PULL`` into VRAM,
@@ -311,8 +311,7 @@ class TransferManager:
     def busy(self) -> bool:
         """Whether a lease or a pull is open, so a message may be due any moment (or a
         failed READ is draining)."""
-        p = self._pulls
-        return bool(self._leases or p.pulls or p.open or p.suspects or p.drains)
+        return bool(self._leases) or self._pulls.busy
 
     # ---- progress ------------------------------------------------------------------------
 
@@ -326,7 +325,7 @@ class TransferManager:
         ``landed()`` now have something for the owner."""
         with self._lock:
             self._progress()
-            suspects, self._pulls.suspects = self._pulls.suspects, []
+            suspects = self._pulls.take_suspects()
             if not suspects:  # the usual case: one lock scope a call
                 return self._ready()
             addresses = {p.peer: self._peers.address(p.peer) for p, *_ in suspects}
@@ -339,16 +338,14 @@ class TransferManager:
             return self._ready()
 
     def _ready(self) -> bool:
-        p = self._pulls
-        return bool(p.done or p.landed or self._leases.freed or p.drains.ready)
+        return bool(self._leases.freed) or self._pulls.ready
 
     def collect(self) -> list[Completion]:
         """Owner's thread: run the ``on_free`` callbacks of leases that ``progress()`` freed,
         then return the pulls completed since the last call."""
         with self._lock:
             freed = self._leases.take_freed()
-            done, self._pulls.done = self._pulls.done, []
-            self._pulls.drains.handed(c.pull_id for c in done if not c.settled)
+            done = self._pulls.take_done()
         for lease, held, reason in freed:
             held.run_on_free(lease, reason)
         return done
@@ -368,12 +365,12 @@ class TransferManager:
         ``collect()``, whose READ has ended since: their destination may now be reused
         or freed."""
         with self._lock:
-            return self._pulls.drains.settled()
+            return self._pulls.settled()
 
     @property
     def draining(self) -> int:
         """Failed READs still in flight."""
-        return len(self._pulls.drains)
+        return self._pulls.draining
 
     def landed(self) -> list[int]:
         """Pulls whose READ has finished since the last call (the bytes are in place).
@@ -383,8 +380,7 @@ class TransferManager:
         the pull ok, since a "stale" ack means the source reused them during the READ.
         """
         with self._lock:
-            out, self._pulls.landed = self._pulls.landed, []
-        return out
+            return self._pulls.take_landed()
 
     def wait(self, pull_ids: Iterable[int], timeout: float) -> dict[int, Completion]:
         """Poll until all ``pull_ids`` complete or ``timeout`` passes; others stay for poll()."""
@@ -398,7 +394,7 @@ class TransferManager:
                     later.append(c)
             time.sleep(self.pull_poll(0.0005))
         with self._lock:
-            self._pulls.done[:0] = later
+            self._pulls.put_back(later)
         return got
 
     def _on_message(self, sender: str, message: bytes, now: float) -> None:

@@ -254,6 +254,55 @@ class Pulls:
             del self.open[key]
         self._proven.discard(name)
 
+    def forget_drains_of(self, name: str) -> None:
+        """The owner forgot peer ``name``: its failed READs no longer keep it (``drain``)."""
+        self.drains.remove_peer(name)
+
+    # ---- what the owner takes --------------------------------------------------------------
+
+    @property
+    def pending(self) -> int:
+        """Pulls not yet completed (those being judged included)."""
+        return len(self.pulls) + len(self.suspects)
+
+    @property
+    def busy(self) -> bool:
+        """Whether a pull, a claim not yet pulled or a failed READ is open."""
+        return bool(self.pulls or self.open or self.suspects or self.drains)
+
+    @property
+    def ready(self) -> bool:
+        """Whether the owner has completions, landed READs or settled drains to take."""
+        return bool(self.done or self.landed or self.drains.ready)
+
+    @property
+    def draining(self) -> int:
+        """Failed READs still in flight."""
+        return len(self.drains)
+
+    def take_suspects(self) -> list:
+        """Failed pulls whose peer must be pinged before they are judged (``judge``)."""
+        out, self.suspects = self.suspects, []
+        return out
+
+    def take_done(self) -> list[Completion]:
+        """The completions since the last call; the failed ones whose READ still runs are
+        handed to the drains, which ``settled`` then reports."""
+        out, self.done = self.done, []
+        self.drains.handed(c.pull_id for c in out if not c.settled)
+        return out
+
+    def put_back(self, completions: list[Completion]) -> None:
+        """Completions taken but not wanted (``TransferManager.wait``): first in line again."""
+        self.done[:0] = completions
+
+    def take_landed(self) -> list[int]:
+        out, self.landed = self.landed, []
+        return out
+
+    def settled(self) -> list[int]:
+        return self.drains.settled()
+
     # ---- progress ------------------------------------------------------------------------
 
     def advance(self, now: float) -> None:
