@@ -243,6 +243,19 @@ class Engine:
         """Whether the engine knows the request: unfinished, or finished and held."""
         return request_id in self.requests
 
+    @property
+    def rewrites_whole_cache(self) -> bool:
+        """Whether a compiled step writes every row of a 16-bit cache array, not only the
+        rows it updates (`runner.rewrites_whole_cache`): a writer outside the step stream
+        must then not overlap a step."""
+        return self.runner.rewrites_whole_cache
+
+    def wait_for_cache(self) -> None:
+        """Block until every program dispatched so far has finished writing the cache, on
+        every device: what a transfer that reads or writes it without the step stream
+        waits for (`serving.worker.common.WorkerBase._settle`)."""
+        jax.block_until_ready(self.runner.cache)
+
     def discard(self, request_id: str) -> None:
         """End a held request (`hold_on_finish`), running or finished, and its hold: for
         one whose caller went away before anyone took its memory. Unknown ids are

@@ -72,7 +72,7 @@ class WorkerBase(EngineConnector):
         self.regions = {r.name: r for r in regions}
         # the tokenizer checks stop strings, on both sides: the first token can end one
         engine = Engine(model, cache, config, tokenizer=tokenizer, batch_type=_batch_type())
-        if engine.runner.rewrites_whole_cache:
+        if engine.rewrites_whole_cache:
             log.warning("a compiled step rewrites a whole 16-bit cache array "
                         "(serving.engine.capacity.cache_dtype): a transfer that overlaps a "
                         "step can read or leave garbage")
@@ -109,7 +109,7 @@ class WorkerBase(EngineConnector):
         for the transfer.  NIXL is ordered with none of it (transfer/memory.py).  One
         device: reading the tokens proves the step done, and nothing waits."""
         if self.sharded:
-            jax.block_until_ready(eng.runner.cache)
+            eng.wait_for_cache()
 
     def stats(self) -> dict:
         return {**self.engine.stats(), **self.counters,
