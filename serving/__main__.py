@@ -234,7 +234,7 @@ def main(argv=None) -> None:
     import uvicorn
 
     from serving.api.app import build_app
-    from serving.api.server import api_key, model_root, server_options
+    from serving.api.server import api_key, model_root, server_options, uvicorn_config
     from serving.api.text import Tokenizer, find_tokenizer
     from serving.router import Router
 
@@ -264,8 +264,7 @@ def main(argv=None) -> None:
                  args.port, prefill, decode)
         # Open streams must not hold a Ctrl-C or SIGTERM hostage: after the grace period
         # uvicorn closes them, and their requests are aborted.
-        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
-                                               log_level="warning",
+        server = uvicorn.Server(uvicorn_config(app, args, log_level="warning",
                                                timeout_graceful_shutdown=GRACE_SECONDS))
 
         def give_up(message: str) -> None:

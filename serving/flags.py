@@ -37,7 +37,8 @@ def _json_object(text: str) -> dict:
 # The OpenAI layer's own flags (with a value, and switches): the launcher keeps them from
 # the workers, whose parser leaves them out.
 API_FLAGS = frozenset({"--served-model-name", "--api-key", "--reasoning-parser",
-                       "--tool-call-parser", "--generation-config", "--stream-interval"})
+                       "--tool-call-parser", "--generation-config", "--stream-interval",
+                       "--timeout-keep-alive"})
 API_SWITCHES = frozenset({"--enable-auto-tool-choice"})
 
 
@@ -131,6 +132,10 @@ def server_parser(prog: str = "python -m serving.api", description: str | None =
     api_argument("--stream-interval", type=_positive, default=1, metavar="N",
                    help="tokens per streamed event: a choice's first token leaves at once, "
                         "then every N tokens and its last (fewer events at high concurrency)")
+    api_argument("--timeout-keep-alive", type=_positive, default=75, metavar="SECONDS",
+                 help="how long the server keeps an idle client connection open: longer "
+                      "than clients' own pools keep one (httpx 5 s, aiohttp 15 s), so a "
+                      "client never sends a request on a connection the server is closing")
     p.add_argument("--compilation-cache-dir", default=None, metavar="DIR",
                    help="XLA's persistent cache of compiled programs, so a second start "
                         "compiles nothing (default: JAX_COMPILATION_CACHE_DIR if set, else "

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import uvicorn
 
-from serving.api.server import build, parser
+from serving.api.server import build, parser, uvicorn_config
 from serving.ports import free_port
 
 MAX_MODEL_LEN, MAX_NUM_SEQS, NUM_BLOCKS, MAX_LOGPROBS = 256, 8, 128, 5
@@ -50,8 +50,9 @@ class Running:
 
 def start(extra_flags=()) -> Running:
     port = free_port()
-    app, engine = build(parser().parse_args(FLAGS + list(extra_flags)))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    args = parser().parse_args(FLAGS + list(extra_flags) + ["--port", str(port)])
+    app, engine = build(args)
+    server = uvicorn.Server(uvicorn_config(app, args, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

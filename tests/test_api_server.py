@@ -46,6 +46,30 @@ def test_models_and_health(server, client):
     assert httpx.get(server.url + "/health").status_code == 200
 
 
+def test_an_idle_connection_outlives_a_client_pools_keep_alive(server):
+    """A connection left idle longer than httpx's pool keeps one (5 s) is still open on the
+    server (``--timeout-keep-alive``, 75 s): a client reusing it never sends a request into
+    a socket the server is closing (uvicorn's own 5 s raced httpx's)."""
+    import http.client
+    from urllib.parse import urlparse
+
+    url = urlparse(server.url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=10)
+    try:
+        conn.request("GET", "/health")
+        first = conn.getresponse()
+        first.read()
+        sock = conn.sock
+        time.sleep(6)
+        conn.request("GET", "/health")
+        second = conn.getresponse()
+        second.read()
+        assert first.status == second.status == 200
+        assert conn.sock is sock  # the same connection, not a new one
+    finally:
+        conn.close()
+
+
 def test_completion_usage_and_length(client):
     r = complete(client, prompt="Hello world", max_tokens=10, extra_body={"ignore_eos": True})
     (c,) = r.choices

@@ -153,7 +153,7 @@ def test_the_api_key_and_restart_flags_stay_with_the_launcher():
 
     argv = ["--model", "tiny", "--api-key", "k", "--max-worker-restarts", "2",
             "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-            "--max-queued-requests", "7", "--stream-interval", "4"]
+            "--max-queued-requests", "7", "--stream-interval", "4", "--timeout-keep-alive", "30"]
     args = launcher.parse(argv)
     assert launcher.worker_flags(args, argv) == ["--model", "tiny", "--max-queued-requests", "7"]
 

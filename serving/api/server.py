@@ -82,6 +82,17 @@ def api_key(args) -> str | None:
     return args.api_key or os.environ.get("VLLM_API_KEY") or None
 
 
+def uvicorn_config(app, args, **kw):
+    """The HTTP server's settings from the flags: where it listens, its log level, how
+    long an idle client connection stays open (``--timeout-keep-alive``); ``kw``
+    overrides or adds uvicorn settings."""
+    import uvicorn
+
+    return uvicorn.Config(app, **{"host": args.host, "port": args.port,
+                                  "log_level": args.log_level,
+                                  "timeout_keep_alive": args.timeout_keep_alive, **kw})
+
+
 def main(args) -> None:
     """Serve until stopped, for flags parsed by `parser()`."""
     import uvicorn
@@ -91,4 +102,4 @@ def main(args) -> None:
     app, _ = build(args)
     log.info("serving %s on http://%s:%d", args.served_model_name or args.model or args.model_tag,
              args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    uvicorn.Server(uvicorn_config(app, args)).run()
