@@ -244,6 +244,8 @@ class Router:
             except BaseException:  # cancelled (the caller went away), or no channel
                 channel.unregister(request_id)
                 self.decode.load[url] -= 1
+                if channel.id is not None:  # in case the worker took the request
+                    self._abort(url, request_id, channel.id)
                 raise
             if response.status_code == 200:
                 self.decode.prefixes.record(keys, url)

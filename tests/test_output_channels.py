@@ -81,6 +81,29 @@ def test_an_output_channel_batches_its_requests_frames_and_aborts_on_close():
     asyncio.run(go())
 
 
+def test_an_abort_that_comes_before_its_request_starts_aborts_it_as_it_starts():
+    """The router gave up while the worker was still admitting the request (its /abort
+    overtook its /decode): the request is aborted when it starts, and sends nothing."""
+    from serving.worker.channels import Channels
+
+    async def go():
+        channel = Channels(keepalive=0.05).open()
+        assert not channel.abort("late")  # not running here yet
+        stream = _Stream([_out("late", [5])], finish=False)
+        confirmed = asyncio.get_running_loop().create_future()
+        confirmed.set_result(None)
+        channel.start("late", stream, confirmed)
+        await asyncio.sleep(0.01)
+        assert stream.closed and channel._frames.empty()
+        other = _Stream([_out("late", [6])], finish=False)  # the id is free again
+        channel.start("late", other, confirmed)
+        await asyncio.sleep(0.01)
+        assert not other.closed and not channel._frames.empty()
+        channel.close()
+
+    asyncio.run(go())
+
+
 def test_one_output_channel_carries_every_request_and_its_break_fails_them():
     """Two requests on one decode worker share one output channel, each getting its own
     frames from a line that carries both; when the channel breaks, both fail as

@@ -384,7 +384,7 @@ def test_a_request_no_decode_worker_took_has_its_lease_abandoned(failure):
     asyncio.run(main())
     notices = [(host, path, body) for host, path, body in posted if path != "/decode"]
     expected = [("p", "/abandon", {"lease": TICKET["lease"]})]
-    if failure == "read_error":
+    if failure in ("read_error", "cancelled"):  # the worker may have the request
         expected.insert(0, ("d", "/abort", {"request_id": "r", "channel": "1"}))
     assert sorted(notices) == sorted(expected) and router.decode.load["http://d"] == 0
 

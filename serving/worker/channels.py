@@ -17,12 +17,14 @@ went away) abort the requests through their engine streams, which frees their me
 from __future__ import annotations
 
 import asyncio
+import collections
 import secrets
 
 from serving.errors import EngineDead, TransferFailed
 from serving.messages import DecodeFrame, DecodeOutputs
 
 KEEPALIVE_SECONDS = 5.0  # an idle channel sends an empty line this often
+EARLY_ABORTS = 4096  # aborts of requests not started yet, remembered per channel
 
 
 class Channel:
@@ -32,9 +34,16 @@ class Channel:
         self.closed = False
         self._frames: asyncio.Queue[DecodeFrame] = asyncio.Queue()
         self._pumps: dict[str, asyncio.Task] = {}
+        # aborts that came before their request started (the router gave up while its
+        # /decode was still being admitted): the request is aborted as it starts
+        self._aborted_early: collections.OrderedDict[str, None] = collections.OrderedDict()
 
     def start(self, request_id: str, stream, confirmed: asyncio.Future) -> None:
         """Send `stream`'s outputs on this channel once `confirmed` resolves."""
+        if request_id in self._aborted_early:
+            del self._aborted_early[request_id]
+            asyncio.get_running_loop().create_task(stream.aclose())  # aborts the request
+            return
         if self.closed or request_id in self._pumps:
             asyncio.get_running_loop().create_task(stream.aclose())  # aborts the request
             raise ValueError(f"output channel {self.id} is closed" if self.closed
@@ -56,9 +65,14 @@ class Channel:
             await stream.aclose()  # a request still running is aborted
 
     def abort(self, request_id: str) -> bool:
-        """Abort a request of this channel; False if it has ended (or was never here)."""
+        """Abort a request of this channel; False if it is not running here: ended, or not
+        started yet, in which case it is aborted when it starts (remembered for the last
+        ``EARLY_ABORTS`` such ids)."""
         task = self._pumps.get(request_id)
         if task is None:
+            self._aborted_early[request_id] = None
+            if len(self._aborted_early) > EARLY_ABORTS:
+                self._aborted_early.popitem(last=False)
             return False
         task.cancel()
         return True
