@@ -101,10 +101,7 @@ class AsyncEngine:
         """Queue a request and wait until the engine accepts it (through the connector's
         `admit`, which gets the keyword arguments `admit`). Raises ValueError (bad
         request, from the engine's checks), EngineOverloaded or EngineDead."""
-        self.check_health()
-        if self.num_queued() >= self.max_queued_requests:
-            raise EngineOverloaded(f"{self.num_queued()} requests are queued "
-                                   f"(max_queued_requests={self.max_queued_requests})")
+        self.check_room()
         loop = asyncio.get_running_loop()
         stream = RequestStream(self, request_id)
         admitted = loop.create_future()
@@ -148,6 +145,15 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> None:
         """Abort a request; its stream ends with finish_reason "abort"."""
         self._send(("abort", request_id))
+
+    def check_room(self) -> None:
+        """Raise EngineDead, or EngineOverloaded if `add` would find the queue full now:
+        for a caller that must know before it commits anything (a decode worker, before
+        it claims a lease that only one worker may hold)."""
+        self.check_health()
+        if self.num_queued() >= self.max_queued_requests:
+            raise EngineOverloaded(f"{self.num_queued()} requests are queued "
+                                   f"(max_queued_requests={self.max_queued_requests})")
 
     def num_queued(self) -> int:
         """Requests accepted but not running: in the inbox or the engine's queue."""
@@ -252,7 +258,11 @@ class AsyncEngine:
             stream, loop = entry
             by_loop.setdefault(loop, []).append((stream, _detach(out)))
         for loop, items in by_loop.items():
-            post(loop, _put_all, items)
+            if not post(loop, _put_all, items):  # its caller is gone: so are its requests
+                for stream, out in items:
+                    if not out.finished:
+                        self._streams.pop(out.request_id, None)
+                        self.engine.abort(out.request_id)
 
     def _fail_all(self, error: BaseException) -> None:
         for stream, loop in self._streams.values():
@@ -285,14 +295,15 @@ class AsyncEngine:
         }
 
 
-def post(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
-    """Run ``fn(*args)`` on a caller's ``loop``, from the engine thread. A loop that has
-    closed belongs to a caller that is gone (its ``asyncio.run`` returned): what was meant
-    for it is dropped, and the engine thread serves on."""
+def post(loop: asyncio.AbstractEventLoop, fn, *args) -> bool:
+    """Run ``fn(*args)`` on a caller's ``loop``, from the engine thread; whether it could.
+    A loop that has closed belongs to a caller that is gone (its ``asyncio.run``
+    returned): what was meant for it is dropped, and the engine thread serves on."""
     try:
         loop.call_soon_threadsafe(fn, *args)
     except RuntimeError:  # the loop is closed
-        pass
+        return False
+    return True
 
 
 def _detach(out: RequestOutput) -> RequestOutput:

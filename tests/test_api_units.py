@@ -208,9 +208,10 @@ def test_abort_ends_the_stream():
 
 def test_a_caller_whose_loop_closed_leaves_the_engine_serving_others():
     """A caller's ``asyncio.run`` returns while its request still streams (a notebook
-    cell that stopped early): what the engine thread sends to that closed loop is
-    dropped, and a caller on another loop is served to the end."""
-    ae = AsyncEngine(ScriptedEngine())
+    cell that stopped early): its request is aborted (its memory back) when its next
+    output finds the loop closed, and a caller on another loop is served to the end."""
+    engine = ScriptedEngine()
+    ae = AsyncEngine(engine)
 
     async def start():
         stream = await ae.add("gone", [1], SamplingParams(max_tokens=1000))
@@ -224,6 +225,7 @@ def test_a_caller_whose_loop_closed_leaves_the_engine_serving_others():
         outs = asyncio.run(serve())
         assert outs[-1].finish_reason == "length" and len(outs[-1].token_ids) == 40
         ae.check_health()  # the engine thread is alive
+        assert "gone" not in engine.running  # aborted, not run to its 1,000 tokens
     finally:
         ae.shutdown()
 

@@ -240,6 +240,25 @@ def test_decode_contacts_no_source_the_router_did_not_register():
     assert transfers.claims == [] and len(w.book) == 0 and not eng.requests
 
 
+def test_a_full_decode_worker_refuses_before_it_claims():
+    """Its queue is full: it answers 503 without claiming the lease, which stays the
+    source's for the router to send to another decode worker (a claim given up would
+    have dropped it)."""
+    from serving.errors import EngineOverloaded
+
+    eng, w, transfers = _serving_decode_worker(lambda t: pytest.fail("claimed"), max_queued=0)
+
+    async def run():
+        await w.decode(_request([5, 6, 7], 3))
+
+    try:
+        with pytest.raises(EngineOverloaded, match="max_queued_requests=0"):
+            asyncio.run(run())
+    finally:
+        w.engine.shutdown()
+    assert transfers.claims == [] and transfers.released == [] and len(w.book) == 0
+
+
 def test_a_lease_of_another_request_is_refused_as_the_clients_mistake():
     """The source refuses a claim whose key (this request's prompt and first token) is not
     its lease's, and leaves that lease to its own request: a 400 here, nothing reserved."""
@@ -312,6 +331,27 @@ def test_a_full_decode_side_queues_requests_and_an_aborted_one_gives_its_claim_b
     assert len(transfers.pulled) == SLOTS and queued == 2
     assert released == [claims[f"abc.{SLOTS}"]]
     assert not w.book.is_open(f"r{SLOTS}")
+
+
+def test_a_request_withdrawn_after_admission_is_confirmed_failed_when_its_memory_comes():
+    """Its caller went away after admission and released the claim, and the engine
+    reserved its memory before the abort landed: no pull starts, the request is aborted
+    and its caller's future ends with an error rather than staying open for ever."""
+    eng = SimpleNamespace(reserve_transfers=lambda: [("r", [1], 0, 0, 4)], aborted=[],
+                          finished=[], has_request=lambda r: True)
+    eng.abort = eng.aborted.append
+    eng.finish_transfer = lambda r, ok: eng.finished.append((r, ok))
+    w = _decode_worker(eng)
+    loop = asyncio.new_event_loop()
+    confirmed = w.book.open("r", "r's claim", loop)
+    w.book.admit("r", lambda: None)
+    assert w.book.withdraw("r") == "r's claim"
+    w._start_pulls(eng)
+    loop.run_until_complete(asyncio.sleep(0))
+    assert eng.aborted == ["r"] and eng.finished == [("r", False)]
+    assert isinstance(confirmed.exception(), TransferFailed) and len(w.book) == 0
+    assert w.transfer.pulled == []
+    loop.close()
 
 
 def test_confirmation_wait_ends_when_the_engine_dies():

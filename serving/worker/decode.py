@@ -74,6 +74,9 @@ class DecodeWorker(WorkerBase):
         if tuple(ticket.address) not in self._sources:
             raise TransferParamsError(f"{ticket.address[0]}:{ticket.address[1]} is not a "
                                       f"prefill worker the router registered")
+        # a full worker refuses before it claims: a claim it then gave up would drop the
+        # lease, and the router's retry on another worker would find it freed
+        self.engine.check_room()
         loop = asyncio.get_running_loop()
         try:
             claim = await loop.run_in_executor(None, self.transfer.claim, ticket,
@@ -122,9 +125,10 @@ class DecodeWorker(WorkerBase):
         requests that were aborted meanwhile are given up."""
         for request_id, blocks, slot, shared, n in eng.reserve_transfers():
             claim = self.book.reserved(request_id)
-            if claim is None:  # its caller went away: the abort follows
+            if claim is None:  # its caller went away (and released the claim)
                 eng.abort(request_id)
                 eng.finish_transfer(request_id, ok=False)
+                self.book.confirm(request_id, TransferFailed("withdrawn before its pull"))
                 continue
             try:
                 remote, local = pull_items(claim.meta.get("cache"), self.layout, blocks, slot, n,
