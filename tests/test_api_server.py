@@ -49,7 +49,7 @@ def test_models_and_health(server, client):
 def test_an_idle_connection_outlives_a_client_pools_keep_alive(server):
     """A connection left idle longer than httpx's pool keeps one (5 s) is still open on the
     server (``--timeout-keep-alive``, 75 s): a client reusing it never sends a request into
-    a socket the server is closing (uvicorn's own 5 s raced httpx's)."""
+    a socket the server is closing."""
     import http.client
     from urllib.parse import urlparse
 

@@ -68,6 +68,8 @@ def test_a_held_claim_is_extended_until_pulled_and_a_released_one_is_dropped():
     assert sent == [("src", "drop s.2")] and pulls.busy
     pulls.advance(now=1e12)  # a third of the TTL later, and more
     assert ("src", "extend s.1") in sent and ("src", "extend s.2") not in sent
+    pulls.start(kept, _plan(), started=0.0, timeout=60.0)
+    assert not pulls.open  # the pull extends the lease from now on
 
 
 def test_a_pull_completes_once_its_read_landed_and_the_source_acked_ok():

@@ -87,8 +87,8 @@ from typing import Callable, Iterable, Sequence
 
 from transfer import descriptors
 from transfer.agent import Agent
-from transfer.handshake import (Address, CompatibilityError, HandshakeServer, Hello,
-                                claim as claim_lease, exchange, ping)
+from transfer.handshake import (Address, CompatibilityError, HandshakeError,
+                                HandshakeServer, Hello, claim as claim_lease, exchange, ping)
 from transfer.lease import Leases
 from transfer.peers import Peers
 from transfer.pulls import PEER_GONE, Completion, Pulls, TransferError
@@ -295,7 +295,10 @@ class TransferManager:
             raise TransferParamsError(f"stale params: {address[0]}:{address[1]} is now agent {found!r}, "
                                       f"not {agent!r} (the source restarted)")
         with self._lock:
-            return self._peers.get(agent)
+            peer = self._peers.get(agent)
+        if peer is None:  # declared lost since the handshake
+            raise HandshakeError(f"source {agent} was lost during the handshake")
+        return peer
 
     @property
     def pending(self) -> int:

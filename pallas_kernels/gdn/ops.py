@@ -53,9 +53,9 @@ def gdn_decode(q, k, v, g, beta, state_pool, slots, *, out_slots=None, lengths=N
     token, in the pool's dtype.  Returns (o shaped as v, in v.dtype; updated pool); the
     Pallas path aliases the pool (in place under jit with donation).
     """
+    if q.ndim == 4 and (out_slots is None or lengths is None):
+        raise ValueError("a verify step's tokens need out_slots [N, R] and lengths [N]")
     if out_slots is None:
-        if q.ndim == 4:
-            raise ValueError("a verify step's tokens need out_slots [N, R]")
         out_slots = slots
     b = resolve("gdn_decode", backend)
     if b in ("reference", "recurrent"):
