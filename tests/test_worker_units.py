@@ -223,20 +223,24 @@ def test_decode_claims_off_the_loop_and_the_engine_thread_then_pulls_the_claimed
     assert ("ssm", 2 * LAYOUT.ssm_slot_bytes, LAYOUT.ssm_slot_bytes) in remote  # slot 2
 
 
+def _refused(w, request, error, match):
+    """``w.decode(request)`` raises ``error`` (matching ``match``); the engine thread is
+    stopped after."""
+    try:
+        with pytest.raises(error, match=match):
+            asyncio.run(w.decode(request))
+    finally:
+        w.engine.shutdown()
+
+
 def test_decode_contacts_no_source_the_router_did_not_register():
     """A ticket naming another address (a forged one, say) is refused before anything is
     contacted or reserved."""
     prompt = [5, 6, 7]
     eng, w, transfers = _serving_decode_worker(lambda t: pytest.fail("contacted"))
 
-    async def run():
-        await w.decode(_request(prompt, 3, address=("10.0.0.1", 80)))
-
-    try:
-        with pytest.raises(TransferParamsError, match="not a prefill worker the router registered"):
-            asyncio.run(run())
-    finally:
-        w.engine.shutdown()
+    _refused(w, _request(prompt, 3, address=("10.0.0.1", 80)), TransferParamsError,
+             "not a prefill worker the router registered")
     assert transfers.claims == [] and len(w.book) == 0 and not eng.requests
 
 
@@ -248,14 +252,7 @@ def test_a_full_decode_worker_refuses_before_it_claims():
 
     eng, w, transfers = _serving_decode_worker(lambda t: pytest.fail("claimed"), max_queued=0)
 
-    async def run():
-        await w.decode(_request([5, 6, 7], 3))
-
-    try:
-        with pytest.raises(EngineOverloaded, match="max_queued_requests=0"):
-            asyncio.run(run())
-    finally:
-        w.engine.shutdown()
+    _refused(w, _request([5, 6, 7], 3), EngineOverloaded, "max_queued_requests=0")
     assert transfers.claims == [] and transfers.released == [] and len(w.book) == 0
 
 
@@ -269,14 +266,7 @@ def test_a_lease_of_another_request_is_refused_as_the_clients_mistake():
 
     eng, w, transfers = _serving_decode_worker(mismatch)
 
-    async def run():
-        await w.decode(_request([5, 6, 7], 3))
-
-    try:
-        with pytest.raises(TransferParamsError, match="another request"):
-            asyncio.run(run())
-    finally:
-        w.engine.shutdown()
+    _refused(w, _request([5, 6, 7], 3), TransferParamsError, "another request")
     assert transfers.released == [] and transfers.pulled == [] and not eng.requests
 
 
@@ -286,14 +276,7 @@ def test_decode_from_an_unreachable_source_fails_before_reserving_anything():
 
     eng, w, transfers = _serving_decode_worker(unreachable)
 
-    async def run():
-        await w.decode(_request([1, 2], 3))
-
-    try:
-        with pytest.raises(TransferFailed, match="unreachable"):
-            asyncio.run(run())
-    finally:
-        w.engine.shutdown()
+    _refused(w, _request([1, 2], 3), TransferFailed, "unreachable")
     assert len(w.book) == 0 and not eng.requests
 
 
