@@ -155,8 +155,6 @@ def add_worker_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="seconds a prefill result stays pinned without a pull")
     p.add_argument("--transfer-timeout", type=float, default=30.0)
     p.add_argument("--on-transfer-failure", choices=["error", "recompute"], default="error")
-    p.add_argument("--enable-fault-injection", action="store_true",
-                   help="expose POST /debug/faults (tests only)")
     return p
 
 

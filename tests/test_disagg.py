@@ -1,7 +1,7 @@
 """Disaggregated serving with real worker processes and real NIXL transfers (CPU, DRAM).
 
-One stack per module: two prefill and two decode workers (``python -m
-serving.worker``) and the router in this process, plus a spare prefill worker with a
+One stack per module: two prefill and two decode workers (``python -m serving.worker``
+whose agents inject the faults a test asks for: ``fault_worker.py``) and the router in this process, plus a spare prefill worker with a
 slowed engine (``SLOW_PREFILL_WORKER``) that only its own test uses.  The reference is
 the aggregated engine in this process, same weights (same preset and seed).
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -43,7 +44,9 @@ BUCKETS = Buckets(prefill_tokens=(64, 256), prefill_seqs=(16,), decode_seqs=(16,
 FLAGS = ["--model", "tiny", "--max-num-seqs", "16", "--max-num-batched-tokens", "256",
          "--max-model-len", "512", "--block-size", "16", *bucket_flags(BUCKETS),
          "--max-logprobs", "0", "--transfer-timeout", "20", "--lease-ttl", "60",
-         "--enable-fault-injection", "--log-level", "warning"]
+         "--log-level", "warning"]
+# a worker whose agent injects the faults a test asks for (POST /debug/faults)
+FAULT_WORKER = (str(pathlib.Path(__file__).with_name("fault_worker.py")),)
 
 
 class Stack:
@@ -79,7 +82,7 @@ class Stack:
             self.spares[name] = self.start(**kwargs, listed=False)
         self.wait()
 
-    def start(self, role, launch=("-m", "serving.worker"), env=None, listed=True):
+    def start(self, role, launch=FAULT_WORKER, env=None, listed=True):
         """Start a worker (``listed``: in ``self.urls``, where tests find routable workers)."""
         port = free_port()
         url = f"http://127.0.0.1:{port}"

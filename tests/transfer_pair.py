@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from serving.kv_transfer import CacheLayout
-from transfer import Agent, FaultyAgent, TransferManager, allocate, host_view
+from faulty_agent import FaultyAgent
+from transfer import Agent, TransferManager, allocate, host_view
 
 BLOCK, BLOCKS, SLOT, SLOTS, CONV = 4096, 64, 2048, 4, 512
 # the regions above as a cache's blocks and slots (rows only matter between unequal splits)
@@ -26,7 +27,7 @@ def make_manager(compat=COMPAT, port=0, seed=None, secret=SECRET):
         rng = np.random.default_rng(seed)
         for r in (kv, conv, ssm):
             host_view(r)[:] = rng.integers(0, 256, r.nbytes, dtype=np.uint8)
-    # the agent counts faults to inject (transfer.faults): the tests set them
+    # the agent counts faults to inject (faulty_agent.py): the tests set them
     return TransferManager(FaultyAgent(Agent([kv, conv, ssm])), compat, port=port,
                            secret=secret)
 

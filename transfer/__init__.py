@@ -18,7 +18,6 @@ Knows regions, offsets and lengths, never models or requests (it imports nothing
 * ``manager``: the endpoint: pin under a lease, claim, pull (READ) with notification,
   timeouts, failure reports, one lock over both sides and every NIXL call;
 * ``progress``: a thread that runs the manager's protocol while its owner is busy;
-* ``faults``: an agent wrapper that fails, hangs or mutes the next READs (tests only).
 
 At start-up, per worker::
 
@@ -36,7 +35,6 @@ offset, byte length)``.
 from transfer.agent import Agent
 from transfer.descriptors import DescriptorError, Plan, coalesce, plan
 from transfer.handshake import CompatibilityError, HandshakeError, check_compatible
-from transfer.faults import FaultyAgent
 from transfer.lease import ClaimError
 from transfer.manager import (Completion, TransferError, TransferManager,
                               TransferParamsError)
@@ -45,7 +43,7 @@ from transfer.progress import ProgressThread
 from transfer.ticket import Claim, Ticket
 
 __all__ = [
-    "AddressMovedError", "Agent", "Claim", "ClaimError", "CompatibilityError", "Completion", "DescriptorError", "FaultyAgent",
+    "AddressMovedError", "Agent", "Claim", "ClaimError", "CompatibilityError", "Completion", "DescriptorError",
     "HandshakeError", "Plan", "ProgressThread", "Region", "TransferError", "TransferManager",
     "Ticket", "TransferParamsError", "allocate", "check_compatible", "coalesce", "free_bytes", "host_view",
     "plan", "size_xla_pool",

@@ -113,8 +113,8 @@ class TransferManager:
     the workers' shared secret, which the endpoint requires of every peer and this side
     presents to others; the endpoint serves on ``host:port`` (0: any free port) from
     construction until ``close()``;
-    ``lease_ttl`` is the default lease lifetime in seconds (``transfer.faults`` wraps the
-    agent to inject failures).
+    ``lease_ttl`` is the default lease lifetime in seconds. ``agent`` is anything with
+    `transfer.Agent`'s methods (the tests wrap one to inject failures).
     ``opened`` is set whenever the owner pins or pulls, so a progress thread that idles
     between polls can wake up at once (``transfer.progress``).
     """

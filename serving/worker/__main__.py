@@ -26,17 +26,32 @@ def parser():
 
 def main(argv=None):
     a = parser().parse_args(argv)  # before JAX loads: --help and bad flags answer at once
+    from serving.worker.app import build_app
+
+    secret = shared_secret()
+    worker = load_worker(a, secret)
+    serve(worker, build_app(worker, secret=secret, max_body_bytes=a.max_request_bytes), a)
+
+
+def shared_secret() -> str:
+    from serving.secret import SecretMissing, load
+
+    try:
+        return load()
+    except SecretMissing as e:
+        raise SystemExit(f"python -m serving.worker: {e}") from None
+
+
+def load_worker(a, secret: str, agent_type=None):
+    """The worker ``a`` (parsed flags) describes, its model loaded and its programs
+    compiled; ``agent_type`` as `WorkerBase` takes it (default `transfer.Agent`)."""
     import jax
     import jax.numpy as jnp
-    import uvicorn
 
     from serving.api.text import Tokenizer, find_tokenizer
     from serving.engine import EngineConfig
     from serving.engine.compilation_cache import use_compilation_cache
     from serving.llm import default_dtype, load_model
-    from serving.messages import WORKER_IDLE_SECONDS
-    from serving.secret import SecretMissing, load as load_secret
-    from serving.worker.app import build_app
     from serving.worker.common import param_bytes
     from serving.worker.decode import DecodeWorker
     from serving.worker.prefill import PrefillWorker
@@ -44,10 +59,6 @@ def main(argv=None):
 
     logging.basicConfig(level=a.log_level.upper(),
                         format=f"%(asctime)s {a.role} %(levelname)s %(name)s: %(message)s")
-    try:
-        secret = load_secret()
-    except SecretMissing as e:
-        raise SystemExit(f"python -m serving.worker: {e}") from None
     name = a.model or a.model_tag
     # The cache regions live beside XLA's pool (transfer/memory.py): size the pool before
     # JAX starts its GPU client below, for the weights one device of the mesh holds.
@@ -71,8 +82,9 @@ def main(argv=None):
                   host=a.host, transfer_port=a.transfer_port,
                   transfer_interface=a.transfer_interface,
                   max_queued_requests=a.max_queued_requests,
-                  fault_injection=a.enable_fault_injection,
                   tokenizer=Tokenizer(find_tokenizer(name, a.tokenizer)))
+    if agent_type is not None:
+        common["agent_type"] = agent_type
     if a.role == "prefill":
         worker = PrefillWorker(model, config, **common)
     else:
@@ -81,8 +93,16 @@ def main(argv=None):
     log.info("%s worker ready in %.1f s on %s: http %s:%d, transfer %s", a.role,
              time.perf_counter() - t0, jax.devices()[0], a.host, a.port,
              worker.transfer.address)
-    app = build_app(worker, secret=secret, max_body_bytes=a.max_request_bytes,
-                    fault_injection=a.enable_fault_injection)
+    return worker
+
+
+def serve(worker, app, a) -> None:
+    """Serve ``app``, ``worker``'s HTTP API, until the process is stopped, then shut the
+    worker down."""
+    import uvicorn
+
+    from serving.messages import WORKER_IDLE_SECONDS
+
     try:
         uvicorn.run(app, host=a.host, port=a.port, log_level="warning",
                     timeout_keep_alive=WORKER_IDLE_SECONDS)

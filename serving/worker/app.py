@@ -8,7 +8,6 @@
     POST /decode       DecodeRequest, its frames on the channel it names  (decode)
     POST /abort        DecodeAbort                                        (decode)
     POST /sources      Sources: the prefill workers this one may pull from     (decode)
-    POST /debug/faults with --enable-fault-injection only (tests)
 
 Every route requires the workers' shared secret (``serving.secret``; 401 without it).
 Bodies are validated against ``serving.messages`` (400 naming the field) and limited in
@@ -18,10 +17,9 @@ size (413) before any of them reaches the engine; errors are ``{"detail": ...}``
 
 from __future__ import annotations
 
-
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ValidationError
 
 from serving.body_limit import BodyLimit
 from serving.errors import EngineDead, EngineOverloaded, TransferFailed
@@ -35,14 +33,6 @@ class _Unauthorised(Exception):
     pass
 
 
-class _Faults(BaseModel):
-    """Pulls to fail, and pulls to leave unposted until their timeout (tests only)."""
-
-    model_config = ConfigDict(strict=True, extra="forbid")
-    fail_next: int = Field(0, ge=0)
-    hang_next: int = Field(0, ge=0)
-
-
 async def _body(request: Request, model: type[BaseModel]):
     """The request's JSON body as ``model`` (strict, as the sender serialised it)."""
     try:
@@ -53,8 +43,7 @@ async def _body(request: Request, model: type[BaseModel]):
         raise ValueError(f"{where}: {first['msg']}") from None
 
 
-def build_app(worker, *, secret: str, max_body_bytes: int,
-              fault_injection: bool = False) -> FastAPI:
+def build_app(worker, *, secret: str, max_body_bytes: int) -> FastAPI:
     async def authorised(request: Request) -> None:
         if not bearer_matches(request.headers.get("authorization"), secret):
             raise _Unauthorised
@@ -104,14 +93,6 @@ def build_app(worker, *, secret: str, max_body_bytes: int,
     async def stats():
         worker.engine.check_health()  # the router's health poll reads this endpoint
         return worker.stats()
-
-    if fault_injection:
-        @app.post("/debug/faults")
-        async def faults(request: Request):
-            """Make the next pulls fail (``fail_next``) or hang until timeout (``hang_next``)."""
-            body = await _body(request, _Faults)
-            worker.agent.fail_next, worker.agent.hang_next = body.fail_next, body.hang_next
-            return {"ok": True}
 
     if worker.role == "prefill":
         @app.post("/prefill")

@@ -30,7 +30,7 @@ from serving.engine.capacity import cache_dtype, plan_capacity
 from serving.engine.connector import EngineConnector
 from serving.kv_transfer import allocate_registered_cache, compat_record
 from serving.llm import model_config
-from transfer import Agent, FaultyAgent, ProgressThread, TransferManager, free_bytes
+from transfer import Agent, ProgressThread, TransferManager, free_bytes
 from transfer.agent import LOOPBACK
 
 log = logging.getLogger("serving.worker")
@@ -46,15 +46,15 @@ class WorkerBase(EngineConnector):
     """The engine, cache regions, agent and transfer manager of one role's worker, and
     the engine loop's connector (serving/engine/connector.py): the subclasses add what
     their role does (``PrefillWorker``, ``DecodeWorker``): how a request is admitted, what
-    the loop's tick does with the transfers."""
+    the loop's tick does with the transfers. ``agent_type`` builds the NIXL agent from
+    the regions (`transfer.Agent`; the tests pass one that injects faults)."""
 
     role: str
 
     def __init__(self, model, config: EngineConfig, *, model_name: str, dtype, secret: str,
-                 lease_ttl: float = 30.0, fault_injection: bool = False,
-                 host: str = "127.0.0.1",
+                 lease_ttl: float = 30.0, host: str = "127.0.0.1",
                  transfer_port: int = 0, transfer_interface: str = LOOPBACK, tokenizer=None,
-                 max_queued_requests: int = 1024):
+                 max_queued_requests: int = 1024, agent_type=Agent):
         self.model_name = model_name
         cfg, mesh = model.config, config.mesh()
         self.sharded = mesh is not None
@@ -78,10 +78,8 @@ class WorkerBase(EngineConnector):
                         "step can read or leave garbage")
         # unique across restarts: a peer keeps a known name's metadata, so a restarted
         # worker must not come back under its old one (an object id can repeat)
-        self.agent = Agent(regions, name=f"{self.role}-{uuid.uuid4().hex}",
-                           net_devices=transfer_interface)
-        if fault_injection:  # tests only: POST /debug/faults sets its counters
-            self.agent = FaultyAgent(self.agent)
+        self.agent = agent_type(regions, name=f"{self.role}-{uuid.uuid4().hex}",
+                                net_devices=transfer_interface)
         self.transfer = TransferManager(self.agent, self.compat, secret=secret, host=host,
                                         port=transfer_port, lease_ttl=lease_ttl)
         # transfer_ack_seconds: of transfer_seconds, the time from the READ's landing to the

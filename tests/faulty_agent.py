@@ -1,11 +1,10 @@
-"""Fault injection for tests: an `Agent` whose next READs fail, hang or lose their
-notification.
+"""Fault injection: an `Agent` whose next READs fail, hang or lose their notification.
 
 The manager knows nothing of it: it sees READs that raise as NIXL does for a bad
 request, READs NIXL never took (no handle: the pull waits until its deadline, as one
 whose completion never comes), and READs whose ``done`` notification went missing.
-A worker wraps its agent in one only with ``--enable-fault-injection`` (its
-``POST /debug/faults`` sets the counters); the manager's own tests wrap theirs.
+The manager tests wrap their agents in one; ``fault_worker.py`` runs a worker whose
+agent is one, its counters set over HTTP.
 """
 
 from __future__ import annotations
