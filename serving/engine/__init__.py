@@ -8,10 +8,13 @@ and the async host loop. One concept per module:
     buckets.py, runner.py, sampler.py             padded shapes, compiled programs, on-device sampling
     compile_guard.py, idle_timer.py               serving-time compiles, host-idle share
     capacity.py, config.py                        cache sizing from device memory; options
+    prefix_cache.py, drafter.py                   cached prefixes; MTP drafts
     engine.py                                     the host loop tying them together
+    remote.py, connector.py                       the disaggregated side: memory transfers
+                                                  fill or hand out; how a worker joins the loop
 
 Public API: `Engine` (add_request / abort / step / generate, plus the transfer
-hooks add_remote_request / finish_transfer / release), `EngineConfig`,
+methods of remote.py: add_remote_request / finish_transfer / release ...), `EngineConfig`,
 `SamplingParams`, `RequestOutput`. Notebooks use `serving.LLM`.
 """
 
