@@ -5,7 +5,7 @@ an sm90 GPU, or in JAX's Mosaic GPU interpreter, which ships from jax 0.11; on t
 with an older jax (the CI's 0.10.2) that test is skipped, and the same kernels are
 checked against the float64 oracle on the GPU by these tests marked ``gpu``, which
 ``python -m bench.kernels --parts check`` runs there (bench/RESULTS.md). The Triton
-kernels' tests cover the same recursion (the doubling inverse, ``test_gdn_kernels.py``).
+kernels' tests cover the same recursion (the doubling inverse, ``test_gdn_prefill.py``).
 """
 from __future__ import annotations
 
@@ -116,13 +116,13 @@ def _case(rng, lens, pad, Hk, Hv, dk, dv, shared, with_init):
     return cu, q, k, v, g, beta, init
 
 
-def _run(runner, cu, q, k, v, g, beta, init):
+def _run(runner, cu, q, k, v, g, beta, init, v_tiles=1):
     bf = lambda a: jnp.asarray(a, jnp.bfloat16)
     with runner:
         o, fin = mgpu.gdn_prefill_mgpu(
             bf(q), bf(k), bf(v), jnp.asarray(g, jnp.float32), jnp.asarray(beta, jnp.float32),
             jnp.asarray(cu), None if init is None else jnp.asarray(init, jnp.float32),
-            scale=q.shape[-1] ** -0.5, bv=64)
+            scale=q.shape[-1] ** -0.5, bv=64, v_tiles=v_tiles)
     f64 = lambda a: np.asarray(jnp.asarray(a, jnp.float32), np.float64)
     return f64(o), f64(fin)
 
@@ -168,16 +168,18 @@ def _need_runner():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("with_init,shared,dk", [(True, 0.0, 64), (False, 3.0, 64),
-                                                 (True, 0.0, 128)])
-def test_mgpu_prefill_matches_oracle(with_init, shared, dk):
+@pytest.mark.parametrize("with_init,shared,dk,v_tiles", [
+    (True, 0.0, 64, 1), (False, 3.0, 64, 1), (True, 0.0, 128, 1),
+    (True, 0.0, 128, 2), (False, 3.0, 128, 2)])
+def test_mgpu_prefill_matches_oracle(with_init, shared, dk, v_tiles):
     """Packed sequences off the 64-row grid, a zero-length one, padding rows; keys
-    sharing a direction (large A); dk = dv = 128 (two V tiles, the models' size)."""
+    sharing a direction (large A); dk = dv = 128 (two V tiles, the models' size), in
+    a CTA each or both in one."""
     runner = _need_runner()
     case = _case(np.random.default_rng(3), [65, 0, 1, 130], 3, 1, 2, dk, dk, shared,
                  with_init)
     cu = case[0]
-    o, fin = _run(runner, *case)
+    o, fin = _run(runner, *case, v_tiles=v_tiles)
     o_ref, f_ref = _oracle(*case)
     assert np.all(np.isfinite(o)) and np.all(np.isfinite(fin))
     assert rel_err(o[:cu[-1]], o_ref[:cu[-1]]) < 1e-2
@@ -215,17 +217,18 @@ def test_mgpu_prefill_snapshots_match_oracle(with_init):
 
 
 @pytest.mark.gpu
-def test_mgpu_prefill_other_sequences_nan_stays_out():
+@pytest.mark.parametrize("d,v_tiles", [(64, 1), (128, 2)])
+def test_mgpu_prefill_other_sequences_nan_stays_out(d, v_tiles):
     """Non-finite values in one sequence's rows and in the padding reach no other
     sequence: the blocks a sequence shares are read whole, and 0 * NaN is NaN."""
     runner = _need_runner()
     cu, q, k, v, g, beta, init = _case(np.random.default_rng(4), [70, 100, 30], 5, 1, 2,
-                                       64, 64, 0.0, True)
+                                       d, d, 0.0, True)
     clean = [a.copy() for a in (q, k, v)]
     for a in (q, k, v):
         a[69] = np.nan     # the first sequence's last row, in the block it shares
         a[cu[-1]:] = np.inf  # the padding rows
-    o, fin = _run(runner, cu, q, k, v, g, beta, init)
+    o, fin = _run(runner, cu, q, k, v, g, beta, init, v_tiles=v_tiles)
     o_ref, f_ref = _oracle(cu, *clean, g, beta, init)
     rows = slice(cu[1], cu[-1])
     assert np.all(np.isfinite(o[rows])) and np.all(np.isfinite(fin[1:]))
