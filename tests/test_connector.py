@@ -1,7 +1,8 @@
 """The engine loop's connector (serving/engine/connector.py) and the engine methods a
-worker uses through it instead of the engine's internals: the loop admits through the
-connector with the caller's keyword arguments and ticks it; a held request's memory is
-read through ``held_memory`` and ended in any state by ``discard``."""
+worker uses through it instead of the engine's internals (serving/engine/remote.py): the
+loop admits through the connector with the caller's keyword arguments and ticks it; a
+held request's memory is read through ``held_memory`` and ended in any state by
+``discard``; a loop whose only work is transfers waits instead of stepping."""
 
 import asyncio
 
@@ -10,7 +11,8 @@ import pytest
 from serving.async_engine import AsyncEngine
 from serving.engine import SamplingParams
 from serving.engine.connector import EngineConnector
-from test_engine_fake import BLOCK, assert_all_free, make_engine
+from test_engine_fake import BLOCK, VOCAB, assert_all_free, make_engine
+from test_engine_fake_model import reference_next
 
 ONE = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 
@@ -76,4 +78,35 @@ def test_held_memory_and_discard_in_every_state():
         eng.step()  # the fence returns the memory
         assert_all_free(eng)
     finally:
+        eng.close()
+
+
+def test_engine_loop_waits_while_only_transfers_are_pending():
+    """A request being filled by a transfer is no step's work: the host loop sleeps
+    until woken (the transfer's progress thread does it) instead of stepping in a
+    spin that takes the GIL from that thread."""
+    eng = make_engine(False)
+    steps = []
+    step = eng.step
+    eng.step = lambda: steps.append(1) or step()
+    aeng = AsyncEngine(eng)
+    prompt = [5, 6, 7, 8]
+    sp = SamplingParams(max_tokens=4, temperature=0)
+
+    async def run():
+        rid = await aeng.call(
+            lambda e: e.add_remote_request(prompt, reference_next(prompt, VOCAB), sp))
+        await aeng.call(lambda e: e.reserve_transfers())
+        await asyncio.sleep(0.3)
+        idle = len(steps)
+        await aeng.call(lambda e: e.finish_transfer(rid, ok=False))  # recompute it
+        while await aeng.call(lambda e: e.has_unfinished()):
+            await asyncio.sleep(0.01)
+        return idle
+
+    try:
+        assert asyncio.run(run()) <= 2  # at most the idle step that drains the fence
+        assert len(steps) > 2  # then it ran: prefill and decode steps
+    finally:
+        aeng.shutdown()
         eng.close()

@@ -369,37 +369,6 @@ def test_confirmation_wait_ends_when_the_engine_dies():
     eng.close()
 
 
-def test_engine_loop_waits_while_only_transfers_are_pending():
-    """A request being filled by a transfer is no step's work: the host loop sleeps
-    until woken (the transfer's progress thread does it) instead of stepping in a
-    spin that takes the GIL from that thread."""
-    eng = _engine()
-    steps = []
-    step = eng.step
-    eng.step = lambda: steps.append(1) or step()
-    aeng = AsyncEngine(eng)
-    prompt = [5, 6, 7, 8]
-    sp = SamplingParams(max_tokens=4, temperature=0)
-
-    async def run():
-        rid = await aeng.call(
-            lambda e: e.add_remote_request(prompt, reference_next(prompt, VOCAB), sp))
-        await aeng.call(lambda e: e.reserve_transfers())
-        await asyncio.sleep(0.3)
-        idle = len(steps)
-        await aeng.call(lambda e: e.finish_transfer(rid, ok=False))  # recompute it
-        while await aeng.call(lambda e: e.has_unfinished()):
-            await asyncio.sleep(0.01)
-        return idle
-
-    try:
-        assert asyncio.run(run()) <= 2  # at most the idle step that drains the fence
-        assert len(steps) > 2  # then it ran: prefill and decode steps
-    finally:
-        aeng.shutdown()
-        eng.close()
-
-
 def test_duplicate_request_id_on_decode_leaves_the_first_alone():
     w = _decode_worker(_engine())
     loop = asyncio.new_event_loop()
