@@ -12,7 +12,8 @@ Knows regions, offsets and lengths, never models or requests (it imports nothing
   listen;
 * ``drain``: failed pulls whose READ still runs, held until NIXL ends it;
 * ``lease``: the source's leases: bytes pinned until their claimant is done with them;
-* ``ticket``: what a source hands a puller, and what claiming it returns;
+* ``ticket``: what a source hands a puller, what claiming it returns, and the plan of
+  a pull of that claim;
 * ``pulls``: the puller's state machine: claims not yet pulled, pulls in flight, their
   completions;
 * ``manager``: the endpoint: pin under a lease, claim, pull (READ) with notification,

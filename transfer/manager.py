@@ -230,14 +230,9 @@ class TransferManager:
         answer = claim_lease(ticket.address, self._secret, ticket.lease, self.agent.name, key,
                              timeout)
         try:
-            if not (isinstance(answer, dict) and isinstance(answer.get("meta"), dict)
-                    and isinstance(answer.get("items"), list)
-                    and isinstance(answer.get("ttl"), (int, float)) and answer["ttl"] > 0):
-                raise descriptors.DescriptorError(f"malformed claim answer {str(answer)[:200]}")
-            items = tuple(descriptors.validate(answer["items"], peer.regions, "claimed"))
+            claim = Claim.from_answer(ticket, answer, peer.regions)
         except descriptors.DescriptorError as e:
             raise TransferParamsError(f"source {ticket.agent}: {e}") from None
-        claim = Claim(ticket.agent, ticket.lease, float(answer["ttl"]), items, answer["meta"])
         with self._lock:
             self._pulls.hold(claim)
         self.opened.set()
@@ -270,11 +265,7 @@ class TransferManager:
                 return self._pulls.failed_at_once(claim, TransferError(
                     PEER_GONE, f"source {claim.agent} was lost since the claim"))
         try:  # planning reads only this pull's arguments and immutable region tables: unlocked
-            if remote_items is None:
-                remote_items = claim.items
-            else:
-                descriptors.check_inside(remote_items, claim.items, peer.regions)
-            plan = descriptors.plan(local_items, self.agent.regions, remote_items, peer.regions)
+            plan = claim.plan(local_items, self.agent.regions, peer.regions, remote_items)
         except descriptors.DescriptorError as e:
             raise TransferParamsError(str(e)) from None
         with self._lock:

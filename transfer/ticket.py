@@ -10,11 +10,13 @@ from the source's own answer over the authenticated handshake channel.
 from __future__ import annotations
 
 import dataclasses
-from typing import Annotated
+from typing import Annotated, Mapping, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from transfer import descriptors
 from transfer.lease import ID as LEASE_ID
+from transfer.memory import Region
 
 # names and leases travel in space-separated notifications: printable, no spaces
 _Word = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[\x21-\x7e]+$")]
@@ -43,3 +45,27 @@ class Claim:
     ttl: float
     items: tuple[tuple[str, int, int], ...]
     meta: dict
+
+    @classmethod
+    def from_answer(cls, ticket: Ticket, answer, regions: Mapping[str, Region]) -> Claim:
+        """The claim the source answered for ``ticket`` (JSON: its items, meta and TTL),
+        checked against the source's ``regions``; DescriptorError for an answer that is
+        malformed or names bytes outside them."""
+        if not (isinstance(answer, dict) and isinstance(answer.get("meta"), dict)
+                and isinstance(answer.get("items"), list)
+                and isinstance(answer.get("ttl"), (int, float)) and answer["ttl"] > 0):
+            raise descriptors.DescriptorError(f"malformed claim answer {str(answer)[:200]}")
+        items = tuple(descriptors.validate(answer["items"], regions, "claimed"))
+        return cls(ticket.agent, ticket.lease, float(answer["ttl"]), items, answer["meta"])
+
+    def plan(self, local_items: Sequence, local_regions: Mapping[str, Region],
+             regions: Mapping[str, Region], remote_items: Sequence | None = None
+             ) -> descriptors.Plan:
+        """The descriptors of a pull of this claim into ``local_items``: of the claimed
+        items in stream order, or of ``remote_items``, ranges inside them (``regions``:
+        the source's). DescriptorError for items outside either side's."""
+        if remote_items is None:
+            remote_items = self.items
+        else:
+            descriptors.check_inside(remote_items, self.items, regions)
+        return descriptors.plan(local_items, local_regions, remote_items, regions)

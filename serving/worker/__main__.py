@@ -55,7 +55,7 @@ def load_worker(a, secret: str, agent_type=None):
     from serving.worker.common import param_bytes
     from serving.worker.decode import DecodeWorker
     from serving.worker.prefill import PrefillWorker
-    from transfer import size_xla_pool
+    from transfer import Agent, size_xla_pool
 
     logging.basicConfig(level=a.log_level.upper(),
                         format=f"%(asctime)s {a.role} %(levelname)s %(name)s: %(message)s")
@@ -82,9 +82,8 @@ def load_worker(a, secret: str, agent_type=None):
                   host=a.host, transfer_port=a.transfer_port,
                   transfer_interface=a.transfer_interface,
                   max_queued_requests=a.max_queued_requests,
-                  tokenizer=Tokenizer(find_tokenizer(name, a.tokenizer)))
-    if agent_type is not None:
-        common["agent_type"] = agent_type
+                  tokenizer=Tokenizer(find_tokenizer(name, a.tokenizer)),
+                  agent_type=agent_type or Agent)
     if a.role == "prefill":
         worker = PrefillWorker(model, config, **common)
     else:
