@@ -38,7 +38,9 @@ def _rand_gdn(key, T, Hk, Hv, dk, dv, dtype, shared=0.0):
 # prefill configs checked on the GPU, and (with --variants) timed at the first shape;
 # --prefill-configs replaces the list
 _TRITON = dict(main="triton")
-PREFILL_CFGS = [None, dict(_TRITON), dict(main="mgpu")]
+# the last: the Mosaic sequential launch with both V tiles a CTA at any chain count (the
+# checks' shapes have fewer chains than the default takes it from)
+PREFILL_CFGS = [None, dict(_TRITON), dict(main="mgpu"), dict(main="mgpu", pair_mgpu_from=0)]
 
 
 def _snapshot_check(tag, cu, inputs, init, pcfg, o_plain, tol):

@@ -18,14 +18,19 @@ import jax.numpy as jnp
 # tf32 products for 16-bit inputs, IEEE fp32 for float32 inputs).
 # main: "triton" (the Pallas Triton launches above) or "mgpu" (gdn/mgpu.py: Mosaic GPU
 # intra and sequential launches, wgmma + TMA, sm90, 16-bit inputs; bv_mgpu its V tile,
-# 128 bytes of the input dtype).
+# 128 bytes of the input dtype; pair_mgpu_from: the (sequence x value head) count from
+# which a CTA of the sequential launch walks both V tiles of a head, None for never).
 _PREFILL_BASE = dict(bv=32, intra_warps=4, intra_stages=2, main_warps=4, main_stages=2,
-                     main="triton", bv_mgpu=64)
+                     main="triton", bv_mgpu=64, pair_mgpu_from=None)
 GDN_PREFILL = {
     # H200: the Mosaic GPU pair is faster than the best Triton pair (bv 32) at
     # 1x8192 Hk16 Hv64 (bench/RESULTS.md, "GDN kernels": prefill); the
-    # Triton launches serve float32 inputs, other head sizes and interpret mode
-    "sm90": dict(_PREFILL_BASE, main="mgpu"),
+    # Triton launches serve float32 inputs, other head sizes and interpret mode.
+    # H100, Hk16 dk = dv = 128: a CTA walking both V tiles of a head takes the
+    # sequential launch 25-31 % under a CTA per V tile from 128 (sequence x head)
+    # chains (2x4096 Hv64 to 16x4096 Hv64, 16x4096 Hv32), and 36-46 % over it at
+    # 32 and 64 (1x8192 Hv32, Hv64), where a CTA per V tile leaves fewer SMs idle
+    "sm90": dict(_PREFILL_BASE, main="mgpu", pair_mgpu_from=128),
     # Blackwell: unmeasured; the Hopper entry without the wgmma kernels
     "sm100": dict(_PREFILL_BASE),
     "default": dict(_PREFILL_BASE),

@@ -237,6 +237,19 @@ def test_mgpu_prefill_other_sequences_nan_stays_out(d, v_tiles):
     assert np.all(o[cu[-1]:] == 0.0)
 
 
+def test_both_v_tiles_a_cta_only_from_the_chain_count_and_without_snapshots():
+    """The sequential launch walks both 64-wide V tiles of a head in one CTA from
+    ``pair_from`` (sequence x value head) chains, dv = 128 and no snapshots; else a CTA
+    per V tile."""
+    assert mgpu.v_tiles_for(16, 64, 128, 64, 128, False) == 2
+    assert mgpu.v_tiles_for(2, 64, 128, 64, 128, False) == 2
+    assert mgpu.v_tiles_for(1, 64, 128, 64, 128, False) == 1    # 64 chains
+    assert mgpu.v_tiles_for(16, 64, 128, 64, 128, True) == 1    # snapshots
+    assert mgpu.v_tiles_for(16, 64, 128, 64, None, False) == 1  # never
+    assert mgpu.v_tiles_for(16, 64, 64, 64, 0, False) == 1      # one V tile
+    assert mgpu.v_tiles_for(16, 64, 256, 64, 0, False) == 1     # four V tiles
+
+
 def test_dispatch_takes_only_what_the_kernels_can():
     """16-bit q, k, v of one dtype with dk, dv multiples of 64 and dk <= 128; else the
     Triton kernels."""

@@ -5,7 +5,8 @@ wgmma, TMA and SMEM.
 The Triton sequential launch is latency-bound: about 8 us per 64-token chunk against
 1 us of tensor-core work (bench/RESULTS.md), because each chunk's loads sit on the state
 chain and Triton's small dots convert layouts through shared memory. Here one CTA per
-(sequence, value head, V tile) keeps the fp32 state tile in wgmma registers, and splits
+(sequence, value head, V tile; or both V tiles of the head where the launch has chains
+enough to fill the SMs) keeps the fp32 state tile in wgmma registers, and splits
 its work over three warpgroups so that only the state's own chain is sequential
 (``chunk_pass_mgpu``): one loads each chunk's q, k, v tile, M = T diag(beta) and gamma by
 TMA into a two-slot ring, one runs the chain (K S; Vd = M (V - e^gamma K S); S' =
@@ -125,14 +126,28 @@ def takes(q, k, v, bv: int) -> bool:
             and dk <= 128)
 
 
+def v_tiles_for(n_seq: int, Hv: int, dv: int, bv: int, pair_from: int | None,
+                snapshots: bool) -> int:
+    """V tiles a CTA of the sequential launch walks: both (2) when the launch has at
+    least ``pair_from`` (sequence, value head) chains, so one CTA an SM still leaves
+    no SM idle, and no snapshots are asked for (their fp32 buffer shares the S ring's
+    bytes there); else one (a CTA per V tile: twice the CTAs)."""
+    if (snapshots or pair_from is None or dv % (2 * bv) or dv // bv != 2
+            or n_seq * Hv < pair_from):
+        return 1
+    return 2
+
+
 def gdn_prefill_mgpu(q, k, v, g, beta, cu, initial_state, *, scale: float, bv: int,
-                     snapshot_ends=None, only_intra: bool = False):
+                     snapshot_ends=None, only_intra: bool = False, v_tiles: int = 1):
     """Packed prefill (``gdn_prefill``'s semantics with ``use_qk_l2norm``: the intra
     launch's float16 inverse needs unit keys) on the two Mosaic GPU launches.
     q, k [T, Hk, dk], v [T, Hv, dv] in one 16-bit dtype; g, beta [T, Hv] float32.
     Returns (o [T, Hv, dv], final state [N, Hv, dk, dv] float32), and with
     snapshot_ends [S] the states there [S, Hv, dk, dv] float32 (zero for ends in no
-    sequence); only_intra: the intra launch's (M, gamma), for timing it alone."""
+    sequence); only_intra: the intra launch's (M, gamma), for timing it alone;
+    v_tiles: V tiles of bv a CTA of the sequential launch walks (1, or 2 = dv // bv
+    without snapshot_ends: see ``chunk_pass_mgpu``)."""
     T = q.shape[0]
     # once here, not once per V tile in the sequential launch
     q, k = (l2norm(x.astype(jnp.float32)).astype(x.dtype) for x in (q, k))
@@ -149,7 +164,7 @@ def gdn_prefill_mgpu(q, k, v, g, beta, cu, initial_state, *, scale: float, bv: i
     snaps = None if snapshot_ends is None else snapshot_table(tab, gam, snapshot_ends)
     out = chunk_pass_mgpu(tab["cu"], tab["seq_first_chunk"], tab["seq_nchunks"], q, k, v,
                           m, gam, init, snaps, ratio=v.shape[1] // k.shape[1], bv=bv,
-                          scale=scale)
+                          scale=scale, nv=v_tiles)
     if snaps is None:
         return out[0][:T], out[1]
     o, fin, states = out
@@ -157,7 +172,7 @@ def gdn_prefill_mgpu(q, k, v, g, beta, cu, initial_state, *, scale: float, bv: i
 
 
 def chunk_pass_mgpu(cu, seq_first, seq_nchunks, q, k, v, m, gam, init, snaps=None, *,
-                    ratio: int, bv: int, scale: float):
+                    ratio: int, bv: int, scale: float, nv: int = 1):
     """The sequential launch. q, k [T, Hk, dk] and v [T, Hv, dv] (16-bit, one dtype, T
     a multiple of 8); m [C, Hv, 64, 64] (q's dtype) and gam [C, Hv, 64] float32 per
     ``block_table`` entry; init [N, Hv, dk, dv] float32 or None; snaps a
@@ -165,10 +180,10 @@ def chunk_pass_mgpu(cu, seq_first, seq_nchunks, q, k, v, m, gam, init, snaps=Non
     cu[N] zero; final state [N, Hv, dk, dv] float32), and with snaps the states
     [S, Hv, dk, dv] float32 at its rows (rows of ends in no sequence unwritten).
 
-    One CTA per (sequence, value head, V tile), three warpgroups. Only the state's
-    chain is sequential, so one warpgroup runs nothing else; a chunk's output waits
-    for nothing that the next chunk needs, so another warpgroup computes it beside
-    the chain (one warpgroup doing both spent 2.8 us a chunk against 0.7 us of
+    One CTA per (sequence, value head, nv V tiles of bv), three warpgroups. Only the
+    state's chain is sequential, so one warpgroup runs nothing else; a chunk's output
+    waits for nothing that the next chunk needs, so another warpgroup computes it
+    beside the chain (one warpgroup doing both spent 2.8 us a chunk against 0.7 us of
     tensor-core work: bench/RESULTS.md, prefill run 6):
 
       * state (wg 0): S -> SMEM, K S, W = V - e^gamma K S, Vd = M W, then S' =
@@ -182,8 +197,17 @@ def chunk_pass_mgpu(cu, seq_first, seq_nchunks, q, k, v, m, gam, init, snaps=Non
     S and Vd go through two SMEM slots of their own, so wg 0 runs up to two chunks
     ahead of wg 1.
 
-    A snapshot after r rows of a chunk is e^{gamma_{r-1}} S + K^T V'' with V'' =
-    e^{gamma_{r-1} - gamma} Vd on rows below r and 0 from r on (Vd's rows below r
+    nv = 2: a CTA walks both V tiles of a (sequence, head) as one slice of bw = 2 bv
+    columns, so q, k, M, gamma, their loads and P are shared by the two, and each
+    product is one wgmma of N = bw, reading its left operand once. The state is 128
+    registers a thread, so wg 0 takes the update in place (the accumulator
+    initialised with e^{gamma_C} S), W and V' are written over the chunk's v slice,
+    the fp32 state buffer shares its bytes with the S ring (used only before the
+    first chunk and after the last) and the two output buffers share theirs: ~225 KB
+    of SMEM. No snapshots there.
+
+    A snapshot after r rows of a chunk (nv = 1) is e^{gamma_{r-1}} S + K^T V'' with
+    V'' = e^{gamma_{r-1} - gamma} Vd on rows below r and 0 from r on (Vd's rows below r
     depend on no later row: M is lower triangular): wg 0 computes it between Vd and the
     update, through the W buffer, and stores it by TMA from the state buffer, so a
     chunk without one does no more than before."""
@@ -200,6 +224,11 @@ def chunk_pass_mgpu(cu, seq_first, seq_nchunks, q, k, v, m, gam, init, snaps=Non
                          f"and bv={bv} are not shapes these kernels take (see takes)")
     has_init = init is not None
     n_snap = 0 if snaps is None else snaps["r"].shape[0]
+    if nv not in (1, 2) or dv % (nv * bv) or (nv > 1 and n_snap):
+        raise ValueError(f"nv={nv} V tiles a CTA: 1, or 2 dividing dv={dv} by bv={bv}, "
+                         f"without snapshots")
+    pair = nv > 1
+    bw = nv * bv  # the CTA's V slice
     wg = plgpu.Layout.WGMMA
     row_vec, col_vec = wg.reduce(1), wg.reduce(0)
     tr = wgmma_transforms(bv, item)  # 128 B swizzle rows for every wgmma operand
@@ -212,19 +241,26 @@ def chunk_pass_mgpu(cu, seq_first, seq_nchunks, q, k, v, m, gam, init, snaps=Non
         o_g, fin_g, *rest = rest
         if n_snap:
             snap_g, *rest = rest
-        (q_s, k_s, v_s, m_s, g_s, s_s, vd_s, w_s, o_t, o_s, f_s,
-         loaded, zeroed, ready, consumed, s_free, init_bar) = rest
+        if pair:
+            (q_s, k_s, v_s, m_s, g_s, s_union, vd_s, o_union,
+             loaded, zeroed, ready, consumed, s_free, init_bar) = rest
+            s_s, f_s = s_union
+            o_t, o_s = o_union
+            w_s = None  # W and V' go over the v slice
+        else:
+            (q_s, k_s, v_s, m_s, g_s, s_s, vd_s, w_s, o_t, o_s, f_s,
+             loaded, zeroed, ready, consumed, s_free, init_bar) = rest
         role = lax.axis_index("wg")
         s = lax.axis_index("s")
         h = lax.axis_index("h")
-        v0 = lax.axis_index("v") * bv
+        v0 = lax.axis_index("v") * bw
         hk = h // ratio
         # every scalar this CTA needs, read once: a GMEM read on the chunk chain costs
         # a memory latency per chunk. Chunk i of sequence s is grid block b0 + i.
         c0, nc = first_g[s], nch_g[s]
         seq_start, seq_end = cu_g[s], cu_g[s + 1]
         b0 = seq_start // CHUNK
-        rows = lambda x: lax.broadcast_in_dim(x, (CHUNK, bv), [0])
+        rows = lambda x: lax.broadcast_in_dim(x, (CHUNK, bw), [0])
 
         def bounds(i):
             st = (b0 + i) * CHUNK
@@ -247,7 +283,7 @@ def chunk_pass_mgpu(cu, seq_first, seq_nchunks, q, k, v, m, gam, init, snaps=Non
                 st, c, b = (b0 + i) * CHUNK, c0 + i, loaded.at[slot]
                 plgpu.copy_gmem_to_smem(q_g.at[pl.ds(st, CHUNK), hk], q_s.at[slot], b)
                 plgpu.copy_gmem_to_smem(k_g.at[pl.ds(st, CHUNK), hk], k_s.at[slot], b)
-                plgpu.copy_gmem_to_smem(v_g.at[pl.ds(st, CHUNK), h, pl.ds(v0, bv)],
+                plgpu.copy_gmem_to_smem(v_g.at[pl.ds(st, CHUNK), h, pl.ds(v0, bw)],
                                         v_s.at[slot], b)
                 plgpu.copy_gmem_to_smem(m_g.at[c, h], m_s.at[slot], b)
                 plgpu.copy_gmem_to_smem(gam_g.at[c, h], g_s.at[slot], b)
@@ -259,15 +295,18 @@ def chunk_pass_mgpu(cu, seq_first, seq_nchunks, q, k, v, m, gam, init, snaps=Non
 
         @pl.when(role == 0)
         def _state():
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(240 if pair else 232, action="increase")
             if has_init:
-                plgpu.copy_gmem_to_smem(init_g.at[s, h, :, pl.ds(v0, bv)], f_s, init_bar)
+                plgpu.copy_gmem_to_smem(init_g.at[s, h, :, pl.ds(v0, bw)], f_s, init_bar)
                 plgpu.barrier_wait(init_bar)
                 S0 = load(f_s, wg, optimized=False)
+                if pair:  # every thread's reads of f_s before any write of the S ring
+                    plgpu.commit_smem()
             else:
-                S0 = plgpu.layout_cast(jnp.zeros((dk, bv), jnp.float32), wg)
+                S0 = plgpu.layout_cast(jnp.zeros((dk, bw), jnp.float32), wg)
 
-            r_iota = plgpu.broadcasted_iota(jnp.int32, (CHUNK, bv), 0, layout=wg)
+            if n_snap:
+                r_iota = plgpu.broadcasted_iota(jnp.int32, (CHUNK, bv), 0, layout=wg)
 
             def emit_snapshots(c, S, vd, k_c, g_r):
                 """The states after the rows of entry c that its snapshots end at."""
@@ -294,6 +333,7 @@ def chunk_pass_mgpu(cu, seq_first, seq_nchunks, q, k, v, m, gam, init, snaps=Non
                 slot = lax.rem(i, 2)
                 _, lo, hi, whole = bounds(i)
                 k_c, g_c = k_s.at[slot], g_s.at[slot]
+                w_c = v_s.at[slot] if pair else w_s  # W, then V' (only wg 0 reads v)
                 plgpu.barrier_wait(loaded.at[slot])
 
                 @pl.when(~whole)  # before wg 1 reads k: 0 * NaN is NaN
@@ -310,28 +350,35 @@ def chunk_pass_mgpu(cu, seq_first, seq_nchunks, q, k, v, m, gam, init, snaps=Non
                 s_s.at[slot][...] = S.astype(dt)
                 plgpu.commit_smem()
                 ks = pl.run_scoped(functools.partial(_mma, pairs=((k_c, s_s.at[slot]),)),
-                                   plgpu.ACC((CHUNK, bv)))[0]
+                                   plgpu.ACC((CHUNK, bw)))[0]
                 g_r = load(g_c, row_vec)
                 vin = load(v_s.at[slot], wg).astype(jnp.float32)
-                w_s[...] = (vin - rows(jnp.exp(g_r)) * ks).astype(dt)
+                w_c[...] = (vin - rows(jnp.exp(g_r)) * ks).astype(dt)
                 plgpu.commit_smem()
-                vd = pl.run_scoped(functools.partial(_mma, pairs=((m_s.at[slot], w_s),)),
-                                   plgpu.ACC((CHUNK, bv)))[0]
+                vd = pl.run_scoped(functools.partial(_mma, pairs=((m_s.at[slot], w_c),)),
+                                   plgpu.ACC((CHUNK, bw)))[0]
                 vd_s.at[slot][...] = vd.astype(dt)
                 if n_snap:
                     emit_snapshots(c0 + i, S, vd, k_c, g_r)
                 g_last = g_c[CHUNK - 1]
-                w_s[...] = (rows(jnp.exp(g_last - g_r)) * vd).astype(dt)  # V'
+                w_c[...] = (rows(jnp.exp(g_last - g_r)) * vd).astype(dt)  # V'
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(ready.at[slot])
 
-                def update(kv_acc):
-                    plgpu.wgmma(kv_acc, k_c.transpose((1, 0)), w_s)
-                    s_part = jnp.exp(g_last) * S
-                    plgpu.wgmma_wait(0)
-                    return s_part + kv_acc[...]
+                if pair:  # in place: the state's registers are the accumulator
+                    def update(acc):
+                        plgpu.wgmma(acc, k_c.transpose((1, 0)), w_c)
+                        plgpu.wgmma_wait(0)
 
-                S = pl.run_scoped(update, plgpu.ACC((dk, bv)))
+                    S = pl.run_state(update)(plgpu.ACC.init(jnp.exp(g_last) * S))
+                else:
+                    def update(kv_acc):
+                        plgpu.wgmma(kv_acc, k_c.transpose((1, 0)), w_c)
+                        s_part = jnp.exp(g_last) * S
+                        plgpu.wgmma_wait(0)
+                        return s_part + kv_acc[...]
+
+                    S = pl.run_scoped(update, plgpu.ACC((dk, bw)))
                 plgpu.barrier_arrive(consumed.at[slot])
                 return S
 
@@ -345,12 +392,12 @@ def chunk_pass_mgpu(cu, seq_first, seq_nchunks, q, k, v, m, gam, init, snaps=Non
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last snapshot left
             f_s[...] = S
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(f_s, fin_g.at[s, h, :, pl.ds(v0, bv)])
+            plgpu.copy_smem_to_gmem(f_s, fin_g.at[s, h, :, pl.ds(v0, bw)])
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(role == 1)
         def _output():
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(224 if pair else 232, action="increase")
             ri = plgpu.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0, layout=wg)
             ci = plgpu.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1, layout=wg)
             causal = ri >= ci
@@ -374,7 +421,7 @@ def chunk_pass_mgpu(cu, seq_first, seq_nchunks, q, k, v, m, gam, init, snaps=Non
                 plgpu.barrier_wait(ready.at[slot])
                 qs, pv = pl.run_scoped(
                     functools.partial(_mma, pairs=((q_c, s_s.at[slot]), (p, vd_s.at[slot]))),
-                    plgpu.ACC((CHUNK, bv)), plgpu.ACC((CHUNK, bv)))
+                    plgpu.ACC((CHUNK, bw)), plgpu.ACC((CHUNK, bw)))
                 plgpu.barrier_arrive(s_free.at[slot])
                 plgpu.barrier_arrive(consumed.at[slot])
                 o = ((rows(jnp.exp(g_r)) * qs + pv) * scale).astype(o_g.dtype)
@@ -384,13 +431,13 @@ def chunk_pass_mgpu(cu, seq_first, seq_nchunks, q, k, v, m, gam, init, snaps=Non
                 def _():
                     o_t[...] = o
                     plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(o_t, o_g.at[pl.ds(st, CHUNK), h, pl.ds(v0, bv)])
+                    plgpu.copy_smem_to_gmem(o_t, o_g.at[pl.ds(st, CHUNK), h, pl.ds(v0, bw)])
 
                 @pl.when(~whole)  # a sequence's first or last rows: the power-of-two ladder
                 def _():
                     o_s[...] = o
                     plgpu.commit_smem()
-                    store_rows(o_s, lambda r, n: o_g.at[pl.ds(st + r, n), h, pl.ds(v0, bv)],
+                    store_rows(o_s, lambda r, n: o_g.at[pl.ds(st + r, n), h, pl.ds(v0, bw)],
                                lo, hi - lo, CHUNK)
 
             # the last sequence's CTAs zero the padding rows [cu[N], T)
@@ -398,29 +445,35 @@ def chunk_pass_mgpu(cu, seq_first, seq_nchunks, q, k, v, m, gam, init, snaps=Non
             def _():
                 pad0 = cu_g[n_seq]
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                o_s[...] = jnp.zeros((CHUNK, bv), o_s.dtype)
+                o_s[...] = jnp.zeros((CHUNK, bw), o_s.dtype)
                 plgpu.commit_smem()
 
                 @pl.loop(0, (T - pad0 + CHUNK - 1) // CHUNK)
                 def _(j):
                     st = pad0 + j * CHUNK
-                    store_rows(o_s, lambda r, n: o_g.at[pl.ds(st + r, n), h, pl.ds(v0, bv)],
+                    store_rows(o_s, lambda r, n: o_g.at[pl.ds(st + r, n), h, pl.ds(v0, bw)],
                                0, jnp.minimum(T - st, CHUNK), CHUNK)
 
             plgpu.wait_smem_to_gmem(0)
 
-    scratch = [
+    buffers = [
         plgpu.SMEM((2, CHUNK, dk), dt, transforms=tr),        # q
         plgpu.SMEM((2, CHUNK, dk), dt, transforms=tr),        # k
-        plgpu.SMEM((2, CHUNK, bv), dt, transforms=tr),        # v tile
+        plgpu.SMEM((2, CHUNK, bw), dt, transforms=tr),        # v slice (nv 2: then W, V')
         plgpu.SMEM((2, CHUNK, CHUNK), dt, transforms=tr),     # M
         plgpu.SMEM((2, CHUNK), jnp.float32),                  # gamma
-        plgpu.SMEM((2, dk, bv), dt, transforms=tr),           # S, 16-bit copy
-        plgpu.SMEM((2, CHUNK, bv), dt, transforms=tr),        # Vd
-        plgpu.SMEM((CHUNK, bv), dt, transforms=tr),           # W, then V'
-        plgpu.SMEM((CHUNK, bv), v.dtype, transforms=tr),      # output, whole chunk
-        plgpu.SMEM((CHUNK, bv), v.dtype),                     # output, last rows
-        plgpu.SMEM((dk, bv), jnp.float32),                    # state in / out
+    ]
+    s_ring = plgpu.SMEM((2, dk, bw), dt, transforms=tr)       # S, 16-bit copy
+    vd_ring = plgpu.SMEM((2, CHUNK, bw), dt, transforms=tr)   # Vd
+    f_buf = plgpu.SMEM((dk, bw), jnp.float32)                 # state in / out
+    o_tiled = plgpu.SMEM((CHUNK, bw), v.dtype, transforms=tr)  # output, whole chunk
+    o_rows = plgpu.SMEM((CHUNK, bw), v.dtype)                 # output, cut chunk
+    if pair:
+        buffers += [plgpu.RefUnion(s_ring, f_buf), vd_ring, plgpu.RefUnion(o_tiled, o_rows)]
+    else:
+        buffers += [s_ring, vd_ring, plgpu.SMEM((CHUNK, bw), dt, transforms=tr),  # W, V'
+                    o_tiled, o_rows, f_buf]
+    scratch = buffers + [
         plgpu.Barrier(num_arrivals=5, num_barriers=2),        # loaded: a chunk's five copies
         plgpu.Barrier(num_barriers=2),                        # zeroed: k, v safe to read
         plgpu.Barrier(num_barriers=2),                        # ready: S and Vd in SMEM
@@ -434,7 +487,7 @@ def chunk_pass_mgpu(cu, seq_first, seq_nchunks, q, k, v, m, gam, init, snaps=Non
         out_type=(jax.ShapeDtypeStruct((T, Hv, dv), v.dtype),
                   jax.ShapeDtypeStruct((n_seq, Hv, dk, dv), jnp.float32)) + snap_out,
         scratch_types=scratch,
-        grid=(n_seq, Hv, dv // bv),
+        grid=(n_seq, Hv, dv // (nv * bv)),
         grid_names=("s", "h", "v"),
         num_threads=3,
         thread_name="wg",

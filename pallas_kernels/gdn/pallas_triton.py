@@ -308,9 +308,11 @@ def gdn_prefill_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
     # mode keep the Triton ones.
     if (cfg["main"] == "mgpu" and not interpret and use_qk_l2norm
             and mgpu.takes(q, k, v, cfg["bv_mgpu"])):
+        v_tiles = mgpu.v_tiles_for(N, Hv, dv, cfg["bv_mgpu"], cfg["pair_mgpu_from"],
+                                   snapshot_ends is not None)
         out = mgpu.gdn_prefill_mgpu(qf, kf, vf, gf, bf, cu, initial_state, scale=scale,
                                     bv=cfg["bv_mgpu"], snapshot_ends=snapshot_ends,
-                                    only_intra=_only_intra)
+                                    only_intra=_only_intra, v_tiles=v_tiles)
         if _only_intra:
             return out
         o, fin, *snaps = out
