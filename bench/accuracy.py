@@ -5,7 +5,7 @@
     python -m bench.accuracy --model tiny-math-moe            # + --ep 2
     python -m bench.accuracy --dtypes bfloat16 --layouts aggregated disaggregated   # a GPU
     python -m bench.accuracy --quantizations none fp8         # + FP8 weights (--quantization)
-    python -m bench.accuracy --speculative-tokens 0 1 2 3 --layouts aggregated   # + MTP drafts
+    python -m bench.accuracy --speculative-tokens 0 1 2 3 --layouts aggregated disaggregated
 
 Each server is started, sent the same ``--num-problems`` held-out problems
 (``qwen35_jax.train.problems.held_out``: a seed training never draws) through the
@@ -14,9 +14,9 @@ official ``openai`` client as greedy completions, scored GSM8K's way (the number
 token-identical to the aggregated server's in the same dtype (its ``logprobs`` tokens),
 and the first problem where one is not (against the unquantised aggregated server: an FP8
 row shows how many answers FP8 weights leave unchanged). With ``--speculative-tokens k``
-(k > 0) the aggregated server drafts k tokens a step with the model's MTP head
-(``--speculative-config``): its answers must be identical to the server's without, and
-its row adds the acceptance length (1 + accepted / verified draft runs, from the
+(k > 0) the servers draft k tokens a step with the model's MTP head
+(``--speculative-config``): their answers must be identical to the aggregated server's
+without, and each row adds the acceptance length (1 + accepted / verified draft runs, from the
 server's ``vllm:spec_decode_*`` counters) and the acceptance rate at each draft
 position. Prints a table and writes ``<result-dir>/accuracy.json``.
 
@@ -195,8 +195,7 @@ def main(argv=None) -> list[dict]:
     rows, reference = [], {}
     os.makedirs(args.result_dir, exist_ok=True)
     runs = [(q, dtype, layout, k) for q in args.quantizations for dtype in args.dtypes
-            for layout in layouts for k in args.speculative_tokens
-            if k == 0 or layout == "aggregated"]  # the workers do not draft
+            for layout in layouts for k in args.speculative_tokens]
     for quantization, dtype, layout, k in runs:
         url = f"http://127.0.0.1:{args.port}"
         flags = server_flags + ([] if quantization == "none" else

@@ -215,14 +215,14 @@ _ARRAYS = ("kv", "conv", "ssm")  # the cache arrays, in region order
 
 def allocate_registered_cache(cfg: Qwen35Config, *, num_blocks: int, block_size: int,
                               num_slots: int, dtype, ssm_dtype=jnp.float32,
-                              device: jax.Device | None = None, mesh=None
+                              device: jax.Device | None = None, mesh=None, mtp_layers: int = 0
                               ) -> tuple[HybridCache, list[Region], CacheLayout]:
     """The hybrid cache in memory NIXL can register (``transfer.memory``), its regions and
     its layout: on ``device`` (default the first), or on ``mesh`` laid out by
     ``qwen35_jax.sharding.cache_shardings`` with one region per device shard."""
     if mesh is not None and device is not None:
         raise ValueError("give a device or a mesh, not both")
-    shapes = HybridCache.shapes(cfg, num_blocks, block_size, num_slots)
+    shapes = HybridCache.shapes(cfg, num_blocks, block_size, num_slots, mtp_layers)
     dtypes = {"kv": dtype, "conv": dtype, "ssm": ssm_dtype}
     if mesh is None:
         one = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])

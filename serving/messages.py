@@ -82,6 +82,8 @@ class PrefillResult(Message):
     transfer: Ticket | None = None
     num_cached_tokens: Annotated[int, Field(ge=0, lt=2**31)] = 0  # prefix-cache hit
     queue_seconds: Annotated[float, Field(ge=0)] = 0.0  # waiting before its prefill began
+    # speculative decoding: the MTP head's drafts after the first token
+    draft_token_ids: list[TokenId] = Field(default_factory=list, max_length=4)
 
 
 ChannelId = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[0-9a-f]+$")]
@@ -94,6 +96,7 @@ class DecodeRequest(Message):
     params: Sampling
     transfer: Ticket
     channel: ChannelId  # the output channel (GET /outputs) that carries its frames
+    draft_token_ids: list[TokenId] = Field(default_factory=list, max_length=4)  # to verify first
 
 
 class DecodeAbort(Message):

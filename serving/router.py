@@ -195,7 +195,8 @@ class Router:
             decode = await self._start_decode(dict(
                 request_id=request_id, prompt_token_ids=list(prompt_token_ids),
                 first_token=result.token_ids[-1], params=Sampling.of(params),
-                transfer=result.transfer), keys)
+                transfer=result.transfer,
+                draft_token_ids=result.draft_token_ids), keys)
         except BaseException:  # no decode worker took it: its lease need not wait to expire
             self._notify(url, "/abandon", Abandon(lease=result.transfer.lease), timeout=2.0)
             raise
@@ -365,8 +366,12 @@ class Router:
                 "serving_compiles", "prefix_cache_queries", "prefix_cache_hits", "transfers",
                 "transfer_bytes", "transfer_seconds", "transfer_ack_seconds",
                 "transfer_descriptors", "transfer_failures", "transfer_cached_tokens",
-                "leases_expired")
+                "leases_expired", "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+                "spec_decode_num_accepted_tokens")
         total = {k: sum(s.get(k, 0) for s in self._stats.values()) for k in keys}
+        per_pos = [s["spec_decode_num_accepted_tokens_per_pos"] for s in self._stats.values()
+                   if s.get("spec_decode_num_accepted_tokens_per_pos")]
+        total["spec_decode_num_accepted_tokens_per_pos"] = [sum(c) for c in zip(*per_pos)]
         total["device"] = {
             role: {k: sum(self._stats.get(u, {}).get(k, 0) for u in pool.urls)
                    for k in ("device_busy_s", "device_idle_s", "device_steps")}

@@ -31,13 +31,16 @@ from serving.ports import free_port
 KEY = "parity-test-key"
 MAX_BYTES = 1 << 20
 MODEL = "tiny-math"  # trained: greedy answers are checkable, and bf16 has no near-ties
+# the drafting stack: k = 2 drafts a step (the prefill worker drafts after the first
+# token and ships them, the decode worker verifies them first and drafts on)
+SPEC = ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 2})]
 FLAGS = ["--model", MODEL, *CPU_ENGINE_FLAGS, "--api-key", KEY, "--max-logprobs", "5",
          "--max-request-bytes", str(MAX_BYTES), "--log-level", "warning"]
 
 
-def _start(module: str, log) -> tuple[subprocess.Popen, str]:
+def _start(module: str, log, extra=()) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", module, *FLAGS, "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", module, *FLAGS, *extra, "--port", str(port)],
                             start_new_session=True, stderr=log)
     proc.log = log
     return proc, f"http://127.0.0.1:{port}"
@@ -57,22 +60,31 @@ def _wait(proc, url, timeout=600):
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
-    """(aggregated url, disaggregated url, the launcher's process), started together; the
-    launcher's log is ``launcher.log.name``."""
+def all_servers(tmp_path_factory):
+    """The aggregated server, the disaggregated one, and a disaggregated one whose
+    workers draft with the MTP head (``SPEC``), started together: name -> (process, url)."""
     logs = tmp_path_factory.mktemp("parity")
-    agg = _start("serving.api", open(logs / "aggregated.log", "w"))
-    disagg = _start("serving", open(logs / "launcher.log", "w"))
+    started = {"aggregated": _start("serving.api", open(logs / "aggregated.log", "w")),
+               "disaggregated": _start("serving", open(logs / "launcher.log", "w")),
+               "drafting": _start("serving", open(logs / "drafting.log", "w"), SPEC)}
     try:
-        for proc, url in (agg, disagg):
+        for proc, url in started.values():
             _wait(proc, url)
-        yield agg[1], disagg[1], disagg[0]
+        yield started
     finally:
-        for proc, _ in (agg, disagg):
+        for proc, _ in started.values():
             if proc.poll() is None:  # its workers run in sessions of their own
                 for child in psutil.Process(proc.pid).children(recursive=True):
                     child.kill()
                 os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def servers(all_servers):
+    """(aggregated url, disaggregated url, the launcher's process); the launcher's log is
+    ``launcher.log.name``."""
+    agg, disagg = all_servers["aggregated"], all_servers["disaggregated"]
+    return agg[1], disagg[1], disagg[0]
 
 
 def _client(url, key=KEY):
@@ -145,6 +157,24 @@ def test_held_out_problems_get_the_same_answers_token_for_token(servers):
     assert accuracy.score(probs, ref)["exact"] >= 0.9  # the shipped model is trained
     assert accuracy.score(probs, outs) == accuracy.score(probs, ref)
     assert accuracy.agreement(outs, ref)["identical"] == len(probs)
+
+
+def test_the_drafting_disaggregated_server_answers_as_the_aggregated_one(all_servers):
+    """MTP drafts across disaggregation: the held-out problems' greedy answers, at a
+    concurrency that keeps transfers landing while the workers step and draft, and a
+    seeded sampled completion are token-identical to the aggregated server's without
+    drafts, and the drafts were verified and accepted."""
+    agg, spec = all_servers["aggregated"][1], all_servers["drafting"][1]
+    probs = problems.held_out(48)
+    prompts = [p.prompt for p in probs]
+    ref = accuracy.ask(agg, prompts, concurrency=8, api_key=KEY)
+    outs = accuracy.ask(spec, prompts, concurrency=8, api_key=KEY)
+    assert accuracy.agreement(outs, ref)["identical"] == len(probs)
+    seeded = COMPLETIONS["seeded n=2"]
+    a, b = (_client(url).completions.create(model=MODEL, **seeded) for url in (agg, spec))
+    _same(_whole(a), _whole(b))
+    spec_metrics = accuracy.acceptance(spec)
+    assert spec_metrics["acceptance_length"] > 1.5, spec_metrics
 
 
 @pytest.mark.parametrize("case", list(COMPLETIONS))

@@ -170,3 +170,15 @@ def test_metrics_export_the_spec_decode_counters():
                    ("vllm:spec_decode_num_accepted_tokens_per_pos_total", "0"): 9,
                    ("vllm:spec_decode_num_accepted_tokens_per_pos_total", "1"): 6,
                    ("vllm:spec_decode_num_accepted_tokens_per_pos_total", "2"): 2}
+
+
+def test_no_program_rewrites_the_cache_at_one_sequence():
+    """The draft program of a one-sequence bucket updates the KV pool in place, as every
+    step does: a transfer reading or landing in the pool while it runs sees only bytes
+    the program does not own change (a copy of the whole pool out and back, with its
+    memory as scratch in between, corrupted 1 in ~120 disaggregated requests)."""
+    from serving.engine.buckets import Buckets
+
+    llm = _llm(2, max_num_seqs=1, max_num_batched_tokens=32, enable_prefix_caching=False,
+               buckets=Buckets(prefill_tokens=(32,), prefill_seqs=(1,), decode_seqs=(1,)))
+    assert llm.engine.drafter.programs() and not llm.engine.rewrites_whole_cache

@@ -65,13 +65,23 @@ def _draft(graphdef, treedef, mtp_graphdef, mtp_treedef, num_blocks, block_size,
     token = jnp.argmax(model.head(h), axis=-1).astype(jnp.int32)
     position = x.start_pos + x.cu_seqlens[1:] - x.cu_seqlens[:-1]  # of the draft's input
     made = [token]
+    num_drafts, block_tables = x.num_drafts, x.block_tables
+    if n == 1:
+        # A one-row KV write is a dynamic-update-slice, which XLA fuses into the attention's
+        # gather and then copies the whole pool out and back to keep the unwritten pool
+        # alive, using the pool's memory as scratch meanwhile (seen on CPU): a transfer
+        # reading or landing in the pool then sees garbage. A second row, never written
+        # (no drafts), keeps the write a scatter, updated in place.
+        pad = lambda a: jnp.concatenate([a, jnp.zeros_like(a)])
+        h, token, position = pad(h), pad(token), pad(position)
+        num_drafts, block_tables = pad(num_drafts), pad(block_tables)
     for i in range(1, k):
-        valid = x.num_drafts > i
+        valid = num_drafts > i
         h, kv = mtp(h, model.embed_tokens(token), kv,
-                    _decode_meta(position + i - 1, valid, x.block_tables, num_blocks, block_size),
+                    _decode_meta(position + i - 1, valid, block_tables, num_blocks, block_size),
                     layer)
         token = jnp.argmax(model.head(h), axis=-1).astype(jnp.int32)
-        made.append(token)
+        made.append(token[:n])
     return kv, drafts.at[x.slot].set(jnp.stack(made, axis=1), mode="drop")
 
 
@@ -131,18 +141,20 @@ class Drafter:
         c["spec_decode_num_accepted_tokens"] += n
         return n
 
-    def inputs(self, sched, x, accepted: list[int], block_size: int) -> DraftInputs | None:
+    def inputs(self, sched, x, accepted: list[int], live: list[bool], block_size: int
+               ) -> DraftInputs | None:
         """The draft program's inputs after step `sched` (inputs `x`, `accepted` drafts a
-        sequence): the step's positions whose next token is now known, for the requests
-        still running; those whose step reached their last known token get drafts (as
-        many as their blocks hold), and each request's `num_drafts` is set to what it
-        gets. None if no position is known."""
+        sequence): the step's positions whose next token is now known, for its `live`
+        sequences (requests still running, and held ones it finished: a prefill worker's
+        drafts after the first token); those whose step reached their last known token get
+        drafts (as many as their blocks hold), and each request's `num_drafts` is set to
+        what it gets. None if no position is known."""
         d = self.empty(len(x.tokens), len(x.start_pos), x.block_tables.shape[1])
         pos = 0
         for i, s in enumerate(sched.seqs):
             req = s.request
             d.cu_seqlens[i + 1] = pos
-            if req.status is not Status.RUNNING or s.epoch != req.epoch:
+            if not live[i] or (not req.is_finished and req.status is not Status.RUNNING):
                 continue
             fed = s.num_tokens - s.num_drafts + accepted[i]
             m = min(fed, req.num_known_tokens - 1 - s.start)
@@ -175,6 +187,10 @@ class Drafter:
                            block_tables=np.zeros((n, max_blocks), np.int32),
                            num_drafts=np.zeros(n, np.int32),
                            slot=np.full(n, self.num_slots, np.int32))
+
+    def programs(self) -> list:
+        """The compiled draft programs (one a target bucket)."""
+        return list(self._programs.values())
 
     def run(self, kv, hidden, x: DraftInputs):
         """Dispatch the draft program on the KV pool `kv` (donated); returns the pool

@@ -314,6 +314,9 @@ class Engine(RemoteMemory):
         per_seq = self.runner.rows(1)
         now = time.perf_counter()
         outputs, accepted = [], [0] * len(sched.seqs)
+        # what the draft program continues: requests still running on this step's output,
+        # and held ones it finished (their memory stays theirs for a transfer)
+        live = [s.epoch == s.request.epoch for s in sched.seqs]
         for i, s in enumerate(sched.seqs):
             req = s.request
             if not s.sample or s.epoch != req.epoch:
@@ -336,12 +339,13 @@ class Engine(RemoteMemory):
                 self._append_token(req, new[-1], logprobs, now)
                 if req.is_finished:
                     break
+            live[i] = not req.is_finished or (req.hold_on_finish and req.finish_reason != "abort")
             if req.is_finished:
                 outputs.append(self._finished(req, new))
             else:
                 outputs.append(self._output(req, new))
         if self.drafter is not None:
-            d = self.drafter.inputs(sched, x, accepted, self.config.block_size)
+            d = self.drafter.inputs(sched, x, accepted, live, self.config.block_size)
             if d is not None:
                 self.fence.on_dispatch(self.runner.draft(d))
         return outputs

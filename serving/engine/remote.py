@@ -17,6 +17,7 @@ import time
 from typing import NamedTuple
 
 import jax
+import numpy as np
 
 from serving.engine.sampling_params import SamplingParams
 from serving.engine.stop import check_stop
@@ -39,14 +40,20 @@ class RemoteMemory:
 
     def add_remote_request(self, prompt_token_ids: list[int], first_token: int,
                            params: SamplingParams | None = None,
-                           request_id: str | None = None) -> str:
+                           request_id: str | None = None, *, drafts=()) -> str:
         """Queue a request whose prompt was computed elsewhere, to wait for memory that
         a transfer fills: `reserve_transfers` hands out its blocks and slot. ValueError
         if `first_token` (the token the prefill side sampled) is no token or already
-        ends the request. The request is not scheduled until `finish_transfer`."""
+        ends the request. The request is not scheduled until `finish_transfer`.
+        `drafts`: the prefill side's drafts after the first token, which its first step
+        verifies (at most k; ignored without speculative decoding)."""
         if not self._is_token(first_token):
             raise ValueError(f"first token {first_token!r} is not a token id of the vocabulary "
                              f"(size {self.vocab_size})")
+        bad = next((t for t in drafts if not self._is_token(t)), None)
+        if bad is not None or len(drafts) > self.config.num_speculative_tokens > 0:
+            raise ValueError(f"drafts {list(drafts)!r}: at most "
+                             f"{self.config.num_speculative_tokens} token ids of the vocabulary")
         req = self._new_request(prompt_token_ids, params, request_id)
         # a request its first token already ends would never be reported by a step
         reason, _ = check_stop(dataclasses.replace(req, output_token_ids=[first_token]),
@@ -57,6 +64,9 @@ class RemoteMemory:
                              f"({reason}): nothing to decode")
         self.scheduler.queue_transfer(req)
         self._append_token(req, first_token, None, time.perf_counter())
+        if self.drafter is not None and drafts:
+            req.host_drafts = [int(t) for t in drafts]
+            req.num_drafts = len(req.host_drafts)
         return req.request_id
 
     def reserve_transfers(self) -> list[Reservation]:
@@ -101,15 +111,26 @@ class RemoteMemory:
             raise ValueError(f"request {request_id} holds no finished request's memory")
         return list(req.block_ids), req.slot
 
+    def drafts(self, request_id: str) -> list[int]:
+        """The drafts a finished held request (`hold_on_finish`) got after its last token
+        (none without speculative decoding): read from the device, so the draft program
+        that made them, and wrote the MTP head's KV in its blocks, has completed."""
+        req = self.requests[request_id]
+        if not (req.is_finished and req.hold_on_finish):
+            raise ValueError(f"request {request_id} is no finished held request")
+        if self.drafter is None or not req.num_drafts:
+            return []
+        return np.asarray(self.drafter.drafts[req.slot, :req.num_drafts]).tolist()
+
     def has_request(self, request_id: str) -> bool:
         """Whether the engine knows the request: unfinished, or finished and held."""
         return request_id in self.requests
 
     @property
     def rewrites_whole_cache(self) -> bool:
-        """Whether a compiled step writes every row of a 16-bit cache array, not only the
-        rows it updates (`runner.rewrites_whole_cache`): a writer outside the step stream
-        must then not overlap a step."""
+        """Whether a compiled program (a step or a draft program) writes every row of a
+        cache array, not only the rows it updates (`runner.rewrites_whole_cache`): a
+        reader or writer outside the step stream must then not overlap it."""
         return self.runner.rewrites_whole_cache
 
     def wait_for_cache(self) -> None:

@@ -56,6 +56,7 @@ class Request:
     # state row the last verify step left its GDN state in (None: its slot)
     num_drafts: int = 0
     verify_state: int | None = None
+    host_drafts: list[int] | None = None  # drafts known on the host (a prefill worker's)
 
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None

@@ -27,6 +27,7 @@ the host tokens. Each step writes its sampled tokens there for the sequences
 whose chunk reached the end of their known tokens.
 """
 
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from contextlib import nullcontext
@@ -129,7 +130,7 @@ class Runner:
         self._sample_fn = jax.jit(partial(_sample, num_top_logprobs), static_argnums=4,
                                   donate_argnums=1, **smp_s)
         self._programs = {}  # (is_decode, T, N) -> compiled forward pass
-        self.rewrites_whole_cache = False  # a program converts a whole 16-bit cache array
+        self.rewrites_whole_cache = False  # a program rewrites a whole cache array
         self._samplers = {}  # (N, SamplerMode) -> compiled sampler
         self._addresses = None
 
@@ -172,8 +173,9 @@ class Runner:
                 bar.update()
         bar.close()
         self._programs = dict(zip(shapes, programs))
+        drafts = self.drafter.programs() if self.drafter is not None else []
         self.rewrites_whole_cache = any(rewrites_whole_cache(p.as_text(), self.cache)
-                                        for p in programs[:len(shapes)])
+                                        for p in programs[:len(shapes)] + drafts)
         self._samplers = dict(zip(samplers, programs[len(shapes):]))
         logits = {}  # L -> the logits of one padding step with L rows
         for is_decode, t, n in shapes:
@@ -271,7 +273,11 @@ class Runner:
             if stop < s.start + s.num_tokens - s.num_drafts:  # the one token still in flight
                 x.from_slot[pos + stop - s.start] = req.slot
             first = pos + s.num_tokens - s.num_drafts  # packed index of the first draft
-            x.from_draft[first:first + s.num_drafts] = req.slot * self.k + np.arange(s.num_drafts)
+            if s.draft_tokens is not None:
+                x.tokens[first:first + s.num_drafts] = s.draft_tokens
+            else:
+                x.from_draft[first:first + s.num_drafts] = (req.slot * self.k
+                                                            + np.arange(s.num_drafts))
             pos += s.num_tokens
             x.cu_seqlens[i + 1] = pos
             x.start_pos[i] = s.start
@@ -326,15 +332,19 @@ def _mode_name(mode) -> str:
 
 
 def rewrites_whole_cache(hlo: str, cache) -> bool:
-    """Whether a compiled program holds a float32 value of a 16-bit cache array's whole
-    (per-shard) shape: the mark of an update that XLA lowered as convert-update-convert
-    over the entire array (XLA's CPU backend does so for bfloat16), which writes every
-    row of the array, not only the updated ones. Writers outside the step stream (NIXL)
-    must then not touch the array while such a step runs (serving/worker/decode.py)."""
+    """Whether a compiled program writes a cache array's every row, not only the rows it
+    updates: it holds a float32 value of a 16-bit cache array's whole (per-shard) shape
+    (an update XLA lowered as convert-update-convert over the entire array, as its CPU
+    backend does for bfloat16), or copies a whole cache array (an update XLA did not do
+    in place: it copies the array out, uses its memory as scratch, and copies it back).
+    Readers and writers outside the step stream (NIXL) then see garbage while such a
+    program runs."""
+    names = {np.dtype(np.float32): "f32", np.dtype(jnp.bfloat16): "bf16",
+             np.dtype(np.float16): "f16"}
     for a in jax.tree.leaves(cache):
-        if a.dtype.itemsize != 2:
-            continue
         dims = ",".join(map(str, a.sharding.shard_shape(a.shape)))
-        if f"f32[{dims}]" in hlo:
+        if a.dtype.itemsize == 2 and f"f32[{dims}]" in hlo:
+            return True
+        if re.search(rf"= {names.get(np.dtype(a.dtype), '?')}\[{dims}\]\S* copy\(", hlo):
             return True
     return False

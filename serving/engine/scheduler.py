@@ -64,6 +64,7 @@ class ScheduledSeq:
     restore: int | None = None  # row of the initial GDN state (a prefix hit, a verify state)
     snapshots: list[tuple[int, int]] = field(default_factory=list)  # (position, row)
     num_drafts: int = 0  # the last of the num_tokens are drafts to verify
+    draft_tokens: list[int] | None = None  # those drafts, when the host knows them
 
 
 @dataclass
@@ -406,6 +407,9 @@ class Scheduler:
         if sample:
             req.num_pending += 1
         s = ScheduledSeq(req, start, n, sample, req.epoch, restore, num_drafts=drafts)
+        if req.host_drafts is not None and drafts:
+            s.draft_tokens = req.host_drafts[:drafts]
+        req.host_drafts = None
         s.snapshots = [(start + 1 + r, self.verify_row(req.slot, r)) for r in range(drafts)]
         return s
 
@@ -436,7 +440,7 @@ class Scheduler:
         """Back to the head of the queue, holding no memory, to compute its prompt
         again from the start (under "lpm" as one passed over too often: first)."""
         req.num_computed_tokens = 0
-        req.num_drafts, req.verify_state = 0, None
+        req.num_drafts, req.verify_state, req.host_drafts = 0, None, None
         req.num_passed = MAX_PASSED
         req.status = Status.WAITING
         self.waiting.appendleft(req)

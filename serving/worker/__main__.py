@@ -51,7 +51,7 @@ def load_worker(a, secret: str, agent_type=None):
     from serving.api.text import Tokenizer, find_tokenizer
     from serving.engine import EngineConfig
     from serving.engine.compilation_cache import use_compilation_cache
-    from serving.llm import default_dtype, load_model
+    from serving.llm import default_dtype, load_model, load_mtp_head
     from serving.worker.common import param_bytes
     from serving.worker.decode import DecodeWorker
     from serving.worker.prefill import PrefillWorker
@@ -71,17 +71,15 @@ def load_worker(a, secret: str, agent_type=None):
     use_compilation_cache(a.compilation_cache_dir)
     dtype = jnp.dtype(a.dtype) if a.dtype else default_dtype()
     config = EngineConfig(seed=a.seed, **engine_kwargs(a))
-    if config.num_speculative_tokens:
-        raise SystemExit("python -m serving.worker: --speculative-config is served by the "
-                         "aggregated server (python -m serving.api); the disaggregated "
-                         "workers do not draft yet")
     model = load_model(name, dtype, a.seed, config.mesh(), a.hf_overrides, a.quantization)
     config.eos_token_ids = tuple(model.config.eos_token_ids)
+    mtp = (load_mtp_head(name, model.config, dtype, a.seed) if config.num_speculative_tokens
+           else None)
     t0 = time.perf_counter()
     common = dict(model_name=name, dtype=dtype, secret=secret, lease_ttl=a.lease_ttl,
                   host=a.host, transfer_port=a.transfer_port,
                   transfer_interface=a.transfer_interface,
-                  max_queued_requests=a.max_queued_requests,
+                  max_queued_requests=a.max_queued_requests, mtp=mtp,
                   tokenizer=Tokenizer(find_tokenizer(name, a.tokenizer)),
                   agent_type=agent_type or Agent)
     if a.role == "prefill":

@@ -47,14 +47,16 @@ class WorkerBase(EngineConnector):
     the engine loop's connector (serving/engine/connector.py): the subclasses add what
     their role does (``PrefillWorker``, ``DecodeWorker``): how a request is admitted, what
     the loop's tick does with the transfers. ``agent_type`` builds the NIXL agent from
-    the regions (`transfer.Agent`; the tests pass one that injects faults)."""
+    the regions (`transfer.Agent`; the tests pass one that injects faults). ``mtp``: the
+    model's MTP head, for speculative decoding (``config``'s k): the prefill side drafts
+    after the first token, the decode side verifies those drafts and drafts on."""
 
     role: str
 
     def __init__(self, model, config: EngineConfig, *, model_name: str, dtype, secret: str,
                  lease_ttl: float = 30.0, host: str = "127.0.0.1",
                  transfer_port: int = 0, transfer_interface: str = LOOPBACK, tokenizer=None,
-                 max_queued_requests: int = 1024, agent_type=Agent):
+                 max_queued_requests: int = 1024, agent_type=Agent, mtp=None):
         self.model_name = model_name
         cfg, mesh = model.config, config.mesh()
         self.sharded = mesh is not None
@@ -67,15 +69,16 @@ class WorkerBase(EngineConnector):
             cfg, num_blocks=config.num_blocks, block_size=config.block_size,
             num_slots=config.num_state_rows, dtype=cache_dtype(dtype),
             ssm_dtype=jnp.dtype(config.ssm_dtype),
-            mesh=mesh)
+            mesh=mesh, mtp_layers=config.mtp_layers)
         self.compat = compat_record(cfg, cache, model_name)
         self.regions = {r.name: r for r in regions}
         # the tokenizer checks stop strings, on both sides: the first token can end one
-        engine = Engine(model, cache, config, tokenizer=tokenizer, batch_type=_batch_type())
+        engine = Engine(model, cache, config, tokenizer=tokenizer, batch_type=_batch_type(),
+                        mtp=mtp)
         if engine.rewrites_whole_cache:
-            log.warning("a compiled step rewrites a whole 16-bit cache array "
-                        "(serving.engine.capacity.cache_dtype): a transfer that overlaps a "
-                        "step can read or leave garbage")
+            log.warning("a compiled program rewrites a whole cache array "
+                        "(serving.engine.runner.rewrites_whole_cache): a transfer that "
+                        "overlaps it can read or leave garbage")
         # unique across restarts: a peer keeps a known name's metadata, so a restarted
         # worker must not come back under its old one (an object id can repeat)
         self.agent = agent_type(regions, name=f"{self.role}-{uuid.uuid4().hex}",

@@ -94,7 +94,8 @@ class DecodeWorker(WorkerBase):
             raise
         params = req.params.params()
         try:
-            stream = await self.engine.add(request_id, prompt, params, first_token=first_token)
+            stream = await self.engine.add(request_id, prompt, params, first_token=first_token,
+                                           drafts=list(req.draft_token_ids))
         except BaseException:
             # Refused, the engine died, or the caller went away: a claim no pull has taken
             # is ours to give up (an admitted request is aborted by the engine's stream)
@@ -104,10 +105,12 @@ class DecodeWorker(WorkerBase):
             raise
         return stream, confirmed
 
-    def admit(self, eng, request_id, prompt, params, *, first_token: int) -> None:
+    def admit(self, eng, request_id, prompt, params, *, first_token: int,
+              drafts: list[int]) -> None:
         """Queue the request for memory (engine thread); ValueError refuses it."""
         self.book.admit(request_id, lambda: eng.add_remote_request(prompt, first_token, params,
-                                                                   request_id))
+                                                                   request_id,
+                                                                   drafts=drafts))
 
     def on_stop(self, error: BaseException) -> None:
         """No pull will be confirmed, and no claim pulled: end them (engine thread)."""

@@ -46,9 +46,9 @@ class PrefillWorker(WorkerBase):
             await self.engine.call(lambda eng: eng.discard(request_id))
             raise
         goes_on = out.finish_reason == "length" and params.max_tokens > 1
-        ticket = None
+        ticket, drafts = None, []
         if goes_on:
-            ticket = await self.engine.call(
+            ticket, drafts = await self.engine.call(
                 lambda eng: self._pin(eng, request_id, prompt, out.token_ids[-1]))
         else:
             await self.engine.call(lambda eng: eng.release(request_id))
@@ -56,13 +56,19 @@ class PrefillWorker(WorkerBase):
                              finish_reason=None if goes_on else out.finish_reason,
                              stop_reason=out.stop_reason, transfer=ticket,
                              num_cached_tokens=out.num_cached_tokens,
-                             queue_seconds=out.metrics.get("queue_s", 0.0))
+                             queue_seconds=out.metrics.get("queue_s", 0.0),
+                             draft_token_ids=drafts)
 
     def admit(self, eng, request_id, prompt, params) -> None:
         """A prompt to compute: its memory is held when it finishes, for a lease."""
         eng.add_request(prompt, params, request_id, hold_on_finish=True)
 
-    def _pin(self, eng, request_id: str, prompt: list[int], first_token: int) -> Ticket:
+    def _pin(self, eng, request_id: str, prompt: list[int], first_token: int
+             ) -> tuple[Ticket, list[int]]:
+        """(the lease's ticket, the drafts after the first token). The drafts are read
+        first: the program that made them also wrote the MTP head's KV into the blocks
+        the lease pins, so once they are on the host a READ finds that KV written."""
+        drafts = eng.drafts(request_id)
         blocks, slot = eng.held_memory(request_id)
         n = len(prompt)
         items = self.layout.items(blocks, slot, n)
@@ -78,7 +84,7 @@ class PrefillWorker(WorkerBase):
             self._settle(eng)
             return self.transfer.pin(
                 items, on_free=on_free, key=prompt_digest(prompt, first_token),
-                meta={"cache": source_record(self.layout, blocks, slot, n)})
+                meta={"cache": source_record(self.layout, blocks, slot, n)}), drafts
         except Exception:
             eng.release(request_id)
             raise
