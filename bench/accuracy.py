@@ -148,6 +148,8 @@ def table(rows: list[dict]) -> str:
         same = r.get("agreement")
         ident = (f"{same['identical']}/{same['of']}" if same else
                  "(reference)" if r["layout"] == "aggregated" else "-")
+        if "identical_per_repeat" in r:  # over every repeat (the reference: against its first)
+            ident = f"{sum(r['identical_per_repeat'])}/{r['n'] * len(r['identical_per_repeat'])}"
         accept = f"{r['acceptance_length']:.2f}" if "acceptance_length" in r else "-"
         out.append(f"{r['layout']:<14} {r['quantization']:<8} {r['dtype']:<9} "
                    f"{r['speculative_tokens']:>2} {r['exact']:>7.1%} "
@@ -169,6 +171,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-tokens", nargs="+", type=int, default=[0],
                    help="drafts a step (MTP) of the aggregated server; 0: none")
     p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="ask each server that many times (a rare race shows over many "
+                        "rounds); every round's answers are compared with the reference")
     p.add_argument("--port", type=int, default=8400)
     p.add_argument("--startup-timeout", type=float, default=900)
     p.add_argument("--result-dir", default="out")
@@ -209,6 +214,7 @@ def main(argv=None) -> list[dict]:
             t0 = time.perf_counter()
             outs = ask(url, prompts, args.concurrency)
             seconds = time.perf_counter() - t0
+            again = [ask(url, prompts, args.concurrency) for _ in range(args.repeats - 1)]
             spec = acceptance(url) if k else {}
         finally:
             stop_server(proc)
@@ -219,6 +225,9 @@ def main(argv=None) -> list[dict]:
             reference[dtype] = outs
         elif dtype in reference:
             row["agreement"] = agreement(outs, reference[dtype])
+        if again and dtype in reference:  # every repeat against the reference
+            row["identical_per_repeat"] = [agreement(o, reference[dtype])["identical"]
+                                           for o in [outs, *again]]
         row["texts"] = [o["text"] for o in outs]
         rows.append(row)
         print(table(rows[-1:]).splitlines()[-1], flush=True)
