@@ -44,7 +44,6 @@ from serving.async_engine import AsyncEngine
 from serving.engine import Engine, EngineConfig, SamplingParams
 from serving.engine.buckets import Buckets
 from serving.engine.capacity import allocate_cache
-from serving.kv_transfer import allocate_registered_cache
 from serving.llm import default_dtype, load_model
 
 
@@ -154,6 +153,14 @@ def main(argv=None) -> dict:
 CASES = ("xla+engine", "xla+async", "registered+engine", "registered+async")
 
 
+def _registered_cache(model_config, config, dtype):
+    """The cache in NIXL-registered memory (imported here: the xla cases need no NIXL)."""
+    from serving.kv_transfer import allocate_registered_cache
+    return allocate_registered_cache(model_config, num_blocks=config.num_blocks,
+                                     block_size=config.block_size, num_slots=config.num_slots,
+                                     dtype=dtype)[0]
+
+
 def run_case(a, quantization) -> dict:
     """Every case of ``a`` on one model (``quantization``: None or "fp8")."""
     dtype = default_dtype()
@@ -169,9 +176,7 @@ def run_case(a, quantization) -> dict:
                                           tuple(sorted(set(a.seqs)))))
     caches = {
         "xla": lambda: allocate_cache(model.config, config, dtype),
-        "registered": lambda: allocate_registered_cache(
-            model.config, num_blocks=config.num_blocks, block_size=config.block_size,
-            num_slots=config.num_slots, dtype=dtype)[0],
+        "registered": lambda: _registered_cache(model.config, config, dtype),
     }
     engine = Engine(model, caches["xla"](), config)
     copies = full_cache_copies(engine.runner)

@@ -5,9 +5,10 @@
 Check: the stacked-layer matmul (dense 35B-A3B shapes) and the MoE grouped matmul
 (expert shapes, a fused [gate | up] of two parts) on FP8 weights with 128 x 128 block
 scales (``pallas_kernels.block_fp8``), each backend "auto" takes (the Pallas kernels
-stream FP8; the Mosaic grouped matmul and the reference take the layer dequantised),
-against float64 ``x @ dequantize(q, scale)``; ||out - ref|| / ||ref|| under 1e-2 (bf16
-output rounding ~4e-3), every entry finite.
+stream FP8; the experts are W8A8, K-major: the Mosaic grouped matmul runs FP8 wgmma),
+against float64 ``x @ dequantize(q, scale)`` (the experts' rows dequantised from their
+e4m3 groups); ||out - ref|| / ||ref|| under 1e-2 (bf16 output rounding ~4e-3), every
+entry finite.
 
 Timing, per shape and row count, bf16 and FP8 weights of the same values (the bf16
 kernel reads w, the FP8 one q and its scales): the dense shapes inside a layer scan as
@@ -15,9 +16,10 @@ kernel reads w, the FP8 one q and its scales): the dense shapes inside a layer s
 ``bench.grouped_matmul`` does (two layers' experts stacked, uniform routing). Floors:
 the weights read once (bf16: 2 bytes an entry; FP8: 1, plus the scales) at the
 measured read bandwidth, and for prefill row counts 2 R K N at the bf16 matmul rate.
-Where "auto" takes the Mosaic grouped matmul (which reads FP8 experts dequantised), the
-Pallas one on the FP8 experts in place is timed beside it ("fp8 pallas"), the
-alternative the dispatch is chosen against.
+Where "auto" takes the Mosaic grouped matmul, the Pallas one on the same FP8 operands
+is timed beside it ("fp8 pallas"), the alternative the dispatch is chosen against, and
+so is the layer's experts dequantised by XLA before the bf16 Mosaic kernel ("fp8
+dequantised"), the FP8 path before the FP8 Mosaic kernel.
 ``--sweep`` adds FP8 tiles of SWEEP for the dense kernel and of EXPERT_SWEEP for the
 grouped one at decode row counts.
 """
@@ -36,6 +38,7 @@ from bench.roofline import measure_ceilings
 from bench.timing import seconds_per_call
 from pallas_kernels import block_fp8
 from pallas_kernels.grouped_matmul import grouped_matmul, grouped_matmul_pallas, resolve
+from pallas_kernels.grouped_matmul.reference import dequantized_groups
 from pallas_kernels.layer_matmul import layer_matmul, layer_matmul_pallas
 
 E, TOP_K = gmm_bench.E, gmm_bench.TOP_K
@@ -79,10 +82,12 @@ def check(rng) -> list[dict]:
             x, w, sizes = gmm_bench._inputs(rng, rows, k, n, empty=30)
             q, s, _ = _fp8(w.astype(jnp.float32), splits)
             wd = block_fp8.dequantize(q[E:], s[E:], jnp.float32, splits)
-            ref = np.asarray(jax.lax.ragged_dot(x.astype(jnp.float32), wd, sizes,
+            xd = block_fp8.dequantize_rows(*block_fp8.quantize_rows(x), jnp.float32)
+            ref = np.asarray(jax.lax.ragged_dot(xd, wd, sizes,
                                                 precision=jax.lax.Precision.HIGHEST), np.float64)
+            qt, st = block_fp8.k_major(q, s)
             got = jax.jit(lambda a, b, c, g: grouped_matmul(
-                a, b, g, group_offset=E, scale=c, splits=splits))(x, q, s, sizes)
+                a, b, g, group_offset=E, scale=c, splits=splits))(x, qt, st, sizes)
             err, ok = _err(got, ref)
             out.append(dict(op="experts", shape=shape, rows=rows, backend=resolve("auto", rows),
                             rel_err=err, ok=ok))
@@ -144,11 +149,13 @@ def expert_timings(rng, ceil, sweep) -> list[dict]:
         for phase, rows in EXPERT_ROWS.items():
             x, w, sizes = gmm_bench._inputs(rng, rows, k, n)
             q, s, wb = _fp8(w, splits)
+            q, s = block_fp8.k_major(q, s)
             touched = int((np.asarray(sizes) > 0).sum())
             act = rows * (k + n) * 2
             mm = 2 * rows * k * n / ceil["matmul_flops_per_s"]
+            # FP8 wgmma's dense rate is twice bf16's (sm90); the rows are read as bf16
             floor = {"bf16": max(mm, (touched * k * n * 2 + act) / ceil["read_bytes_per_s"]),
-                     "fp8": max(mm, (touched * (k * n + s[0].size * 4) + act)
+                     "fp8": max(mm / 2, (touched * (k * n + s[0].size * 4) + act)
                                 / ceil["read_bytes_per_s"])}
             bf16 = jax.jit(lambda a, b, g: grouped_matmul(a, b, g, group_offset=E))
             fp8 = jax.jit(lambda a, b, c, g: grouped_matmul(a, b, g, group_offset=E, scale=c,
@@ -158,12 +165,15 @@ def expert_timings(rng, ceil, sweep) -> list[dict]:
                        bf16=seconds_per_call(bf16, x, wb, sizes) * 1e3,
                        fp8=seconds_per_call(fp8, x, q, s, sizes) * 1e3,
                        **{f"floor_{v}_ms": f * 1e3 for v, f in floor.items()})
-            if row["backend"] == "mgpu":  # FP8 in place (Pallas) against the dequantised copy
+            if row["backend"] == "mgpu":  # the alternatives the dispatch was chosen against
                 fn = jax.jit(lambda a, b, c, g: grouped_matmul(a, b, g, group_offset=E, scale=c,
                                                                splits=splits, backend="pallas"))
                 row["fp8 pallas"] = seconds_per_call(fn, x, q, s, sizes) * 1e3
                 err, ok = _err(fn(x, q, s, sizes), np.asarray(fp8(x, q, s, sizes), np.float64))
                 print(f"  agree fp8 pallas: {err:.1e} {'ok' if ok else 'FAIL'}")
+                fn = jax.jit(lambda a, b, c, g: grouped_matmul(
+                    a, dequantized_groups(b, c, E, E, a.dtype, splits), g, backend="mgpu"))
+                row["fp8 dequantised"] = seconds_per_call(fn, x, q, s, sizes) * 1e3
             for cfg in (EXPERT_SWEEP if sweep and row["backend"] == "pallas" else ()):
                 name = "fp8 bn{bn} bk{bk} st{stages}".format(**cfg)
                 fn = jax.jit(lambda a, b, c, g, cfg=cfg: grouped_matmul_pallas(

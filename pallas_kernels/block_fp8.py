@@ -12,9 +12,18 @@ checkpoints' [out, in]: the rule is symmetric, so the scales are the transposed
 (the experts' [gate | up]) keeps each part's blocks: its scale holds each part's block
 columns in turn (``column_block``).
 
-The kernels dequantise a tile in registers (a tile lies in one block: ``tile_fits``)
-and scale its float32 partial product, so a weight stays FP8 in memory: half the bytes
-of a bf16 weight stream.
+The dense kernels dequantise a tile in registers (a tile lies in one block:
+``tile_fits``) and scale its float32 partial product, so a weight stays FP8 in memory:
+half the bytes of a bf16 weight stream.
+
+MoE experts are W8A8 and K-major. Their FP8 tensors are held [..., out, in] with scales
+[..., out blocks, in blocks] (``k_major``; the checkpoints' own layout), because the
+tensor cores read 8-bit operands only with K contiguous. The rows multiplied by them are
+quantised too (``quantize_rows``: per row, in 128-entry groups of K, as the -FP8
+checkpoints' inference code quantises activations), on every backend, so a token's
+result does not depend on which kernel its batch size picked; each 128-deep step of a
+product then has one row scale and one weight scale, and the kernels multiply e4m3 by
+e4m3.
 """
 
 from __future__ import annotations
@@ -91,6 +100,37 @@ def quantize(w, splits: int = 1):
     scale = xp.where(amax > 0, amax / np.float32(FP8_MAX), np.float32(1.0)).astype(np.float32)
     q = (w / _expand(scale, rows, cols, splits)).astype(fp8)
     return q, scale
+
+
+def k_major(q, scale):
+    """A quantised [..., in, out] weight and its scales in the K-major expert layout:
+    [..., out, in] and [..., out blocks, in blocks]."""
+    return q.swapaxes(-1, -2), scale.swapaxes(-1, -2)
+
+
+def dequantize_k_major(q, scale, dtype, splits: int = 1):
+    """A K-major FP8 weight [..., out, in] -> [..., in, out] in ``dtype``."""
+    return dequantize(q.swapaxes(-1, -2), scale.swapaxes(-1, -2), dtype, splits)
+
+
+def quantize_rows(x):
+    """x [R, K] -> (e4m3 [R, K], float32 scales [R, K/128 rounded up]): each row's
+    128-entry groups, the activations' side of W8A8 (the -FP8 checkpoints' inference
+    code quantises a token's activations this way, in groups matching the weight's
+    input blocks). A group's scale is its largest magnitude / 448 (all zero: 1); the
+    scaled largest entry may land an ulp above 448, which e4m3 rounds to 448."""
+    r, k = x.shape
+    x = x.astype(jnp.float32)
+    g = jnp.pad(x, ((0, 0), (0, blocks(k) * BLOCK - k))).reshape(r, blocks(k), BLOCK)
+    amax = jnp.max(jnp.abs(g), axis=-1)
+    scale = jnp.where(amax > 0, amax / np.float32(FP8_MAX), np.float32(1.0))
+    return (x / jnp.repeat(scale, BLOCK, axis=1)[:, :k]).astype(FP8), scale
+
+
+def dequantize_rows(q, scale, dtype):
+    """The inverse of ``quantize_rows``: q * its group's scale, in ``dtype``."""
+    s = jnp.repeat(scale, BLOCK, axis=1)[:, :q.shape[1]]
+    return (q.astype(jnp.float32) * s).astype(dtype)
 
 
 def dequantize(q, scale, dtype, splits: int = 1):

@@ -288,18 +288,22 @@ def from_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, *,
             total += len(f.keys())
 
     def put(ppath, value, index, cols, name):
-        """Write one tensor (already in the parameter's layout) into its stacked leaf."""
+        """Write one tensor (in the [..., in, out] layout, ``cols`` of its out axis) into
+        its stacked leaf, transposed where the leaf is K-major (FP8 experts)."""
         leaf = leaves[ppath]
-        want = leaf.shape[len(index):]
+        out_axis = -1
+        if quant.is_k_major(ppath) and quant.is_fp8(leaves[ppath.removesuffix("_scale")]):
+            value, out_axis = value.swapaxes(-1, -2), -2
+        want = list(leaf.shape[len(index):])
         if cols is not None:
-            want = want[:-1] + (cols.stop - cols.start,)
+            want[out_axis] = cols.stop - cols.start
         if tuple(value.shape) != tuple(want):
             raise CheckpointError(
                 f"{path}: tensor {name!r} has shape {tuple(value.shape)} after layout "
                 f"conversion, but the config implies {tuple(want)}")
-        start = index + (0,) * (leaf.ndim - len(index))
+        start = list(index + (0,) * (leaf.ndim - len(index)))
         if cols is not None:
-            start = start[:-1] + (cols.start,)
+            start[out_axis] = cols.start
         leaves[ppath] = _write(leaf, value.reshape((1,) * len(index) + value.shape),
                                jnp.array(start, jnp.int32))
         lead = len(next(iter(expected[ppath])))  # stacking axes: 0, 1 (attn) or 2 (GDN)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from flax import nnx
 
 # re-exported: the block-scale rule is part of the model's API
-from pallas_kernels.block_fp8 import BLOCK, dequantize, is_fp8, quantize  # noqa: F401
+from pallas_kernels.block_fp8 import BLOCK, dequantize, is_fp8, k_major, quantize  # noqa: F401
 
 # Layer-relative parameter paths that can be FP8, and the default set of
 # ``--quantization fp8``: every matmul of a layer but the ones whose outputs are
@@ -44,10 +44,17 @@ def splits_of(path: str) -> int:
     return 2 if path.endswith("experts_gate_up") else 1
 
 
+def is_k_major(ppath: str) -> bool:
+    """Whether the parameter at ``ppath`` (an FP8 one, or its scales) is held K-major
+    ([..., out, in]): the experts' tensors, which the FP8 tensor cores read that way."""
+    return ppath.rsplit(".", 1)[-1].removesuffix("_scale") in ("experts_gate_up",
+                                                                "experts_down")
+
+
 def quantize_model(model, paths) -> None:
     """Convert the parameters at layer-relative ``paths`` of every layer of ``model``
     (concrete or abstract, in place) to FP8 with block scales: a ``Linear``'s kernel
-    gains ``scale``, an expert tensor ``<name>_scale``."""
+    gains ``scale``, an expert tensor ``<name>_scale`` (both K-major: block_fp8)."""
     from qwen35_jax.layers.linear import Linear
 
     paths = set(paths)
@@ -63,6 +70,6 @@ def quantize_model(model, paths) -> None:
             module.kernel, module.scale = nnx.Param(q), nnx.Param(s)
         for name in ("experts_gate_up", "experts_down"):
             if f"{rel}.{name}" in paths and hasattr(module, name):
-                q, s = quantize(getattr(module, name)[...], splits_of(name))
+                q, s = k_major(*quantize(getattr(module, name)[...], splits_of(name)))
                 setattr(module, name, nnx.Param(q))
                 setattr(module, name + "_scale", nnx.Param(s))

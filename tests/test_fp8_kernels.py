@@ -3,15 +3,19 @@ block_fp8.py): the Pallas kernel bodies in interpret mode and the references aga
 float64 oracle that applies the block-scale rule entry by entry. Blocks differ in
 magnitude by up to 10^4, so a tile scaled by another block's scale is far off; K and N
 span whole and partial blocks; the fused [gate | up] has partial blocks in each part.
-The compiled kernels run on sm90; bench/layer_matmul.py and bench/grouped_matmul.py
-check them there against the dequantised product."""
+The experts are W8A8: their rows are quantised in 128-entry groups, whose magnitudes
+differ too. The compiled kernels run on sm90: the Mosaic FP8 grouped matmul in the
+``gpu``-marked test here, the rest in bench/fp8_matmul.py, against the dequantised
+product."""
 
+import ml_dtypes
 import numpy as np
 import pytest
 
 import jax
 import jax.numpy as jnp
 
+from mosaic_runner import need_runner
 from pallas_kernels import block_fp8
 from pallas_kernels.grouped_matmul import grouped_matmul
 from pallas_kernels.layer_matmul import layer_matmul, layer_matmul_pallas
@@ -62,30 +66,84 @@ def test_layer_matmul_streams_fp8_tiles_with_their_block_scales(m, k, n, dtype, 
         assert _rel(layer_matmul(x, wq, layer, scale=ws, backend="reference"), ref) < bound
 
 
-@pytest.mark.parametrize("dtype,bound", [(jnp.float32, 1e-6), (jnp.bfloat16, 1e-2)])
-@pytest.mark.parametrize("splits,n", [(1, 272), (2, 320)])
-def test_grouped_matmul_streams_fp8_experts_with_their_block_scales(splits, n, dtype, bound):
-    """FP8 experts stacked over 3 layers (every layer's offset, an empty expert, rows past
-    the groups), a plain and a fused [gate | up] tensor (two parts of 160 columns: each
-    part's blocks are its own, the second starting mid-128)."""
-    rng = np.random.default_rng(n)
-    experts, layers, rows, k = 4, 3, 40, 160
+def _rows(rng, rows, k, dtype):
+    """Rows whose 128-entry groups span 10^-2..10^2, so a product scaled by another
+    group's scale is far off."""
+    mag = np.repeat(10.0 ** rng.uniform(-2, 2, (rows, block_fp8.blocks(k))), 128, axis=1)
+    return jnp.asarray(rng.standard_normal((rows, k)) * mag[:, :k], dtype)
+
+
+def test_rows_quantise_per_group_as_numpy_does():
+    """Each row's 128-entry groups (the last one partial) scale to their largest
+    magnitude / 448, an all-zero group to 1; the values are e4m3's rounding (ml_dtypes)
+    of x / scale, and dequantise to q * scale."""
+    rng = np.random.default_rng(0)
+    x = np.array(_rows(rng, 6, 300, jnp.float32))
+    x[2, 128:256] = 0.0
+    q, s = block_fp8.quantize_rows(jnp.asarray(x))
+    assert q.dtype == jnp.float8_e4m3fn and s.shape == (6, 3)
+    for r in range(6):
+        for b in range(3):
+            g = x[r, b * 128:(b + 1) * 128]
+            want = np.float32(np.abs(g).max() / np.float32(448.0)) if np.abs(g).max() else 1.0
+            assert np.asarray(s)[r, b] == pytest.approx(want, rel=2 ** -23), (r, b)
+            np.testing.assert_array_equal(
+                np.asarray(q)[r, b * 128:(b + 1) * 128].view(np.uint8),
+                (g / np.asarray(s)[r, b]).astype(ml_dtypes.float8_e4m3fn).view(np.uint8))
+    assert np.asarray(s)[2, 1] == 1.0 and np.abs(np.asarray(q, np.float32)).max() == 448.0
+    back = np.asarray(block_fp8.dequantize_rows(q, s, jnp.float32))
+    np.testing.assert_array_equal(back, np.asarray(q, np.float32) * np.repeat(
+        np.asarray(s), 128, axis=1)[:, :300])
+
+
+def _w8a8_case(rng, splits, n, dtype, k=160, experts=4, layers=3, rows=40):
+    """K-major FP8 experts stacked over layers, rows (3 past the groups) and their
+    float64 oracle per layer: the dequantised rows times the dequantised weights."""
     q, scale = _fp8_weights(rng, layers * experts, k, n, splits)
     owned = rows - 3
-    sizes = rng.multinomial(owned, np.r_[0.4, 0, 0.3, 0.3]).astype(np.int32)
-    x = jnp.asarray(rng.standard_normal((rows, k)), dtype)
+    sizes = rng.multinomial(owned, np.r_[0.4, 0, 0.3, 0.3][:experts]).astype(np.int32)
+    x = _rows(rng, rows, k, dtype)
+    xq, xs = block_fp8.quantize_rows(x)
+    xd = np.asarray(block_fp8.dequantize_rows(xq, xs, jnp.float32), np.float64)
     w = _dequantized(q, scale, splits)
+    group = np.repeat(np.arange(experts), sizes)
+    refs = [np.stack([xd[r] @ w[layer * experts + g] for r, g in enumerate(group)])
+            for layer in range(layers)]
+    qt, st = block_fp8.k_major(jnp.asarray(q), jnp.asarray(scale))
+    return x, qt, st, jnp.asarray(sizes), owned, refs
+
+
+@pytest.mark.parametrize("dtype,bound", [(jnp.float32, 1e-6), (jnp.bfloat16, 1e-2)])
+@pytest.mark.parametrize("splits,n", [(1, 272), (2, 320)])
+def test_grouped_matmul_is_w8a8_on_fp8_experts(splits, n, dtype, bound):
+    """FP8 experts stacked over 3 layers (every layer's offset, an empty expert, rows past
+    the groups), a plain and a fused [gate | up] tensor (two parts of 160 columns: each
+    part's blocks are its own, the second starting mid-128): the rows' and the weights'
+    scales each applied to their own 128-deep step."""
+    x, qt, st, sizes, owned, refs = _w8a8_case(np.random.default_rng(n), splits, n, dtype)
     fn = jax.jit(lambda a, b, s, g, o, backend: grouped_matmul(
         a, b, g, group_offset=o, scale=s, splits=splits, backend=backend),
         static_argnames="backend")
-    group = np.repeat(np.arange(experts), sizes)
-    for layer in range(layers):
-        ref = np.stack([np.asarray(x[r], np.float64) @ w[layer * experts + g]
-                        for r, g in enumerate(group)])
+    for layer, ref in enumerate(refs):
         for backend in ("interpret", "reference"):
-            out = fn(x, jnp.asarray(q), jnp.asarray(scale), jnp.asarray(sizes),
-                     layer * experts, backend)
+            out = fn(x, qt, st, sizes, layer * 4, backend)
+            assert out.dtype == dtype
             assert _rel(np.asarray(out, np.float64)[:owned], ref) < bound, (layer, backend)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits,n,k", [(1, 256, 384), (2, 512, 256)])
+def test_mosaic_fp8_grouped_matmul_matches_oracle(splits, n, k):
+    """The Mosaic kernel (FP8 wgmma, a fresh accumulator a 128-deep step): rows off
+    the 64-row grid, an empty expert, three layers' experts stacked, a fused tensor."""
+    runner = need_runner()
+    x, qt, st, sizes, owned, refs = _w8a8_case(np.random.default_rng(k), splits, n,
+                                               jnp.bfloat16, k=k, rows=100)
+    with runner:
+        for layer, ref in enumerate(refs):
+            out = grouped_matmul(x, qt, sizes, group_offset=layer * 4, scale=st,
+                                 splits=splits, backend="mgpu")
+            assert _rel(np.asarray(out, np.float64)[:owned], ref) < 1e-2, layer
 
 
 def test_tiles_across_a_scale_block_are_refused():

@@ -9,8 +9,6 @@ kernels' tests cover the same recursion (the doubling inverse, ``test_gdn_prefil
 """
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 import pytest
 
@@ -19,7 +17,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.gdn import mgpu
 from pallas_kernels.oracle import gdn_prefill_oracle, rel_err
-from pallas_kernels.tuning import gpu_arch
+from mosaic_runner import need_runner as _need_runner
 
 CUS = [
     [0, 65, 65, 66, 196, 259, 323, 523],   # mixed, a zero-length sequence
@@ -89,21 +87,6 @@ def test_per_block_of_a_numpy_table_equals_the_gather(cu):
                                   np.asarray(mgpu._per_block(x, as_jax)))
 
 
-def _runner():
-    """A context that runs Mosaic GPU kernels here, or None."""
-    if gpu_arch() == "sm90":
-        return contextlib.nullcontext()
-    if jax.__version_info__ < (0, 11):
-        return None
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-    mesh = jax.sharding.AbstractMesh((), (), abstract_device=jax.sharding.AbstractDevice(
-        device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=8))
-    stack = contextlib.ExitStack()
-    stack.enter_context(jax.sharding.use_abstract_mesh(mesh))
-    stack.enter_context(plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()))
-    return stack
-
-
 def _case(rng, lens, pad, Hk, Hv, dk, dv, shared, with_init):
     T = sum(lens) + pad
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
@@ -157,14 +140,6 @@ def test_snapshot_table_puts_each_end_in_the_block_holding_its_last_token():
             seen.append(t["row"][j])
     assert sorted(seen) == list(range(7))  # each valid end once, the others nowhere
     assert t["hi"][-1] == 7
-
-
-def _need_runner():
-    runner = _runner()
-    if runner is None:
-        pytest.skip("needs an sm90 GPU or jax >= 0.11 (Mosaic GPU interpreter); "
-                    "python -m bench.kernels --parts check runs it on the GPU")
-    return runner
 
 
 @pytest.mark.gpu

@@ -46,8 +46,11 @@ MODEL_MESHES = {
 # heads, and each GDN value head gets its own copy of its key head.
 KERNEL_MESHES = ["tp2", "ep2,tp2", "tp4"]
 # Float32 reductions split over shards are summed in another order; over 8 layers and a
-# decode step that moves logits by a few float32 ulps of their largest magnitude.
+# decode step that moves logits by a few float32 ulps of their largest magnitude. FP8
+# experts quantise their rows (W8A8): an entry that such a difference moves across an
+# e4m3 rounding boundary moves by one e4m3 step, so their logits get 4x the room.
 RTOL = 5e-5
+RTOL_FP8 = 2e-4
 
 
 CHILDREN = {("forward", name): ("forward", name, *meshes) for name, meshes in MODEL_MESHES.items()}
@@ -88,7 +91,8 @@ def forward_records(children):
 @pytest.mark.parametrize("name,mesh", [(n, m) for n, ms in MODEL_MESHES.items() for m in ms])
 def test_sharded_logits_equal_single_device(forward_records, name, mesh):
     r = forward_records[name][mesh]
-    assert r["prefill_rel_err"] <= RTOL and r["decode_rel_err"] <= RTOL, r
+    rtol = RTOL_FP8 if name.endswith(":fp8") else RTOL
+    assert r["prefill_rel_err"] <= rtol and r["decode_rel_err"] <= rtol, r
     assert r["same_argmax"], r
 
 

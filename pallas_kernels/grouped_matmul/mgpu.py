@@ -119,37 +119,50 @@ def grouped_matmul_mgpu(x, w, group_sizes, group_offset=0, *, block_m: int, bloc
                     return acc_ref[...]
 
                 acc = pl.run_scoped(k_loop, plgpu.ACC((block_m, block_n)))
+                store_tile(acc, o_gmem, block, ni, lo, size)
 
-                @functools.partial(pl.run_scoped,
-                                   o_smem=plgpu.SMEM((block_m, block_n), o_gmem.dtype))
-                def _store(o_smem):
-                    o_smem[...] = acc.astype(o_smem.dtype)
-                    plgpu.commit_smem()
-                    store_rows(o_smem, lambda row, rows: o_gmem.at[
-                        pl.ds(block * block_m + row, rows), pl.ds(ni * block_n, block_n)],
-                        lo, size, block_m)
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    return persistent_kernel(body, jax.ShapeDtypeStruct((m, n), x.dtype),
+                             plgpu.LoweringSemantics.Warpgroup)(table, x, w)
 
-    sms = getattr(jax.devices()[0], "core_count", 132)  # one loop per SM (H200: 132)
-    kernel = plgpu.kernel(
-        body,
-        out_type=jax.ShapeDtypeStruct((m, n), x.dtype),
-        grid=(sms,),
-        grid_names=("sm",),
-        compiler_params=plgpu.CompilerParams(
-            lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    )
-    return kernel(table, x, w)
+
+def store_tile(acc, o_gmem, block, ni, lo, size):
+    """Rows [lo, lo + size) of the tile ``acc`` (row block ``block``, column tile ``ni``
+    of o_gmem) through SMEM and the ladder of TMA row stores."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    block_m, block_n = acc.shape
+
+    @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((block_m, block_n), o_gmem.dtype))
+    def _store(o_smem):
+        o_smem[...] = acc.astype(o_smem.dtype)
+        plgpu.commit_smem()
+        store_rows(o_smem, lambda row, rows: o_gmem.at[
+            pl.ds(block * block_m + row, rows), pl.ds(ni * block_n, block_n)],
+            lo, size, block_m)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def persistent_kernel(body, out_type, semantics, ctas_per_sm: int = 1):
+    """``body`` as a kernel of ``ctas_per_sm`` CTAs an SM, whose loops over tiles are
+    split over the CTAs (``collective_axes="sm"``)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    sms = getattr(jax.devices()[0], "core_count", 132)  # H100: 132, H200: 132
+    return plgpu.kernel(body, out_type=out_type, grid=(ctas_per_sm * sms,), grid_names=("sm",),
+                        compiler_params=plgpu.CompilerParams(lowering_semantics=semantics))
 
 
 def padded_call(kernel, x, w, group_sizes, group_offset, tiles: dict):
-    """Run ``kernel(x, w, group_sizes, group_offset, **tiles)`` on rows padded to whole
-    row blocks and return the first R rows. Separate from the kernel so the padding
-    contract is testable on any platform."""
-    r = x.shape[0]
+    """Run ``kernel(*x, w, group_sizes, group_offset, **tiles)`` on rows padded to whole
+    row blocks and return the first R rows; ``x`` is the rows [R, ...], or a tuple of
+    arrays with R rows each (e4m3 rows and their scales). Separate from the kernel so
+    the padding contract is testable on any platform."""
+    xs = x if isinstance(x, tuple) else (x,)
+    r = xs[0].shape[0]
     bm = tiles["block_m"]
     rows = max(bm, -(-r // bm) * bm)
     if rows != r:
-        x = jnp.pad(x, ((0, rows - r), (0, 0)))
-    out = kernel(x, w, group_sizes.astype(jnp.int32), group_offset, **tiles)
+        xs = tuple(jnp.pad(a, ((0, rows - r),) + ((0, 0),) * (a.ndim - 1)) for a in xs)
+    out = kernel(*xs, w, group_sizes.astype(jnp.int32), group_offset, **tiles)
     return out[:r] if rows != r else out

@@ -19,8 +19,7 @@ import jax
 
 from .._dispatch import default_backend
 from ..tuning import _family, gpu_arch, layer_matmul_config
-from ..grouped_matmul.pallas_triton import tiles_fit
-from .pallas_triton import layer_matmul_pallas
+from .pallas_triton import layer_matmul_pallas, tiles_fit
 from .reference import layer_matmul_reference
 
 BACKENDS = ("auto", "reference", "pallas", "interpret")

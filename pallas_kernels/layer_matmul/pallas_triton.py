@@ -24,8 +24,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from ..block_fp8 import BLOCK
-from ..grouped_matmul.pallas_triton import tiles_fit  # same rule as the grouped matmul
+from ..block_fp8 import BLOCK, is_fp8, tile_fits
 
 
 def _kernel(layer_ref, x_ref, w_ref, *refs, bn, bk, k_split):
@@ -46,6 +45,15 @@ def _kernel(layer_ref, x_ref, w_ref, *refs, bn, bk, k_split):
     acc = lax.fori_loop(0, k_split // bk, step,
                         jnp.zeros((x_ref.shape[0], bn), jnp.float32))
     o_ref[pl.program_id(1), :, pl.ds(n0, bn)] = acc.astype(o_ref.dtype)
+
+
+def tiles_fit(x, w, cfg, scale=None) -> bool:
+    """The kernel takes K and N in whole bk / bn tiles and one dtype for x and w, or an
+    FP8 w with its block scales whose tiles each lie in one scale block."""
+    _, k, n = w.shape
+    if scale is not None:
+        return is_fp8(w) and tile_fits(cfg["bk"], cfg["bn"], k, n, n)
+    return x.dtype == w.dtype and k % cfg["bk"] == 0 and n % cfg["bn"] == 0
 
 
 def splits_for(n: int, k: int, cfg: dict) -> int:

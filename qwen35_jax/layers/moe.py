@@ -39,7 +39,8 @@ class MoE(nnx.Module):
         self.num_experts, self.top_k, self.inter = num_experts, top_k, inter
         init = nnx.initializers.normal(0.02)
         self.router = Linear(hidden, num_experts, rngs=rngs, dtype=dtype)
-        # Fused [gate | up] per expert, stored [E, in, out] for x @ w.
+        # Fused [gate | up] per expert, stored [E, in, out] for x @ w (FP8: [E, out, in],
+        # quant.quantize_model).
         self.experts_gate_up = nnx.Param(init(rngs.params(), (num_experts, hidden, 2 * inter), dtype))
         self.experts_down = nnx.Param(init(rngs.params(), (num_experts, inter, hidden), dtype))
         self.shared_expert = MLP(hidden, shared_inter, rngs=rngs, dtype=dtype)
@@ -81,9 +82,10 @@ def _local_experts(x, experts, weights, w_gate_up, w_down, scales, first, layer)
     """Float32 [T, D] sum of the routed copies that go to experts ``first ..
     first + n_local - 1`` (the weights held here, [..., n_local, in, out], stacked
     over layers in the leading dimensions; this is flat layer `layer`; ``scales``: FP8
-    weights' block scales, stacked alike, or None); other copies contribute 0."""
+    weights' block scales, stacked alike, or None, the FP8 weights then K-major); other
+    copies contribute 0."""
     t, d = x.shape
-    n_local, inter = w_down.shape[-3], w_down.shape[-2]
+    n_local = w_down.shape[-3]
     flat = lambda a: a.reshape((-1,) + a.shape[-2:])  # noqa: E731
     w_gate_up, w_down = flat(w_gate_up), flat(w_down)
     s_gate_up, s_down = (None, None) if scales is None else map(flat, scales)
@@ -97,6 +99,7 @@ def _local_experts(x, experts, weights, w_gate_up, w_down, scales, first, layer)
     group_sizes = jnp.bincount(key, length=n_local + 1)[:n_local].astype(jnp.int32)
     gate_up = grouped_matmul(x[token_of], w_gate_up, group_sizes, group_offset=offset,
                              scale=s_gate_up, splits=2)
+    inter = gate_up.shape[1] // 2
     act = jax.nn.silu(gate_up[:, :inter]) * gate_up[:, inter:]
     out = grouped_matmul(act, w_down, group_sizes, group_offset=offset, scale=s_down)
     # Combine by gathering each token's k copies back (the inverse permutation) and
