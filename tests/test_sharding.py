@@ -55,7 +55,7 @@ RTOL_FP8 = 2e-4
 
 CHILDREN = {("forward", name): ("forward", name, *meshes) for name, meshes in MODEL_MESHES.items()}
 CHILDREN |= {("kernels",): ("kernels", "tiny-moe", *KERNEL_MESHES), ("serving",): ("serving",),
-             ("load",): ("load",)}
+             ("load",): ("load",), ("speculative",): ("speculative",)}
 
 
 @pytest.fixture(scope="module")
@@ -177,6 +177,16 @@ def test_mesh_spec_and_head_aligned_fallbacks():
     assert expert_axes(AbstractMesh((1, 3, 1), AXES), 8) == ()
     assert param_spec(cfg, "groups.gdn.mlp.experts_down", 5, mesh) == P(
         None, None, ("expert",), None, None)
+
+
+def test_speculative_decoding_on_a_mesh_keeps_outputs(children):
+    """MTP drafting on EP2xTP2 (the trained tiny-math-moe and its head): every request
+    gets the single-device engine's tokens without drafts, the trained head's drafts
+    are accepted, and the head's experts are split as the model's are."""
+    r = children(("speculative",))["speculative"]
+    assert r["sharded"] == r["single"], r
+    assert r["acceptance_length"] > 1.5, r
+    assert r["head_experts_spec"][0] == ["expert", "tensor"], r
 
 
 def test_checkpoint_loads_straight_into_the_mesh(children):
@@ -404,7 +414,35 @@ def _load_child() -> None:
           flush=True)
 
 
+def _speculative_child() -> None:
+    """Greedy answers to held-out problems: the single-device engine without drafts, then
+    the EP2xTP2 engine drafting two tokens a step."""
+    from transformers import AutoTokenizer
+
+    from qwen35_jax import builtin
+    from qwen35_jax.train import problems
+    from serving import LLM, SamplingParams
+
+    tok = AutoTokenizer.from_pretrained(builtin.resolve("tiny-math-moe"))
+    prompts = [tok.encode(p.prompt) for p in problems.held_out(4)]
+    greedy = SamplingParams(max_tokens=24, temperature=0)
+    options = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256)
+    single = [o.token_ids for o in LLM("tiny-math-moe", **options).generate(prompts, greedy)]
+    llm = LLM("tiny-math-moe", ep=2, tp=2, **options,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    sharded = [o.token_ids for o in llm.generate(prompts, greedy)]
+    m = llm.metrics()
+    experts = next(a for a in llm.engine.drafter._mtp_leaves  # the head's, on the mesh
+                   if a.ndim == 3 and a.shape[0] == llm.model.config.num_experts).sharding.spec
+    print(json.dumps(dict(
+        key="speculative", single=single, sharded=sharded,
+        acceptance_length=1 + m["spec_decode_num_accepted_tokens"] / max(
+            m["spec_decode_num_drafts"], 1),
+        head_experts_spec=[list(a) if isinstance(a, tuple) else a for a in experts])),
+        flush=True)
+
+
 if __name__ == "__main__":
     {"forward": lambda: _forward_child(sys.argv[2], sys.argv[3:]),
      "kernels": lambda: _kernels_child(sys.argv[2], sys.argv[3:]), "serving": _serving_child,
-     "load": _load_child}[sys.argv[1]]()
+     "load": _load_child, "speculative": _speculative_child}[sys.argv[1]]()

@@ -23,6 +23,7 @@ next draft program, as the target's KV is by the next step.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 
@@ -32,6 +33,7 @@ import numpy as np
 from flax import nnx
 
 from qwen35_jax.batch import Batch, StepMeta, step_meta
+from qwen35_jax.sharding import param_shardings, replicated
 from serving.engine.request import Status
 
 
@@ -104,15 +106,30 @@ class Drafter:
     inputs (`inputs`) and counts as vLLM's ``vllm:spec_decode_*`` metrics do."""
 
     def __init__(self, model, mtp, *, k: int, num_blocks: int, block_size: int,
-                 num_slots: int):
+                 num_slots: int, kv_sharding=None):
+        """``kv_sharding``: the KV pool's, when the cache lies on a mesh; the head's
+        parameters are then placed by the model's table (qwen35_jax.sharding) and the
+        programs compiled with every sharding fixed, as the runner's are."""
+        self.mesh = None if kv_sharding is None else kv_sharding.mesh
+        rep, jit_s = None, {}
+        if self.mesh is not None:
+            state = nnx.state(mtp)
+            nnx.update(mtp, jax.device_put(state, param_shardings(model.config, state,
+                                                                  self.mesh)))
+            rep = replicated(self.mesh)
         graphdef, state = nnx.split(model)
         self._leaves, treedef = jax.tree.flatten(state)
         mtp_graphdef, mtp_state = nnx.split(mtp)
         self._mtp_leaves, mtp_treedef = jax.tree.flatten(mtp_state)
+        if self.mesh is not None:
+            jit_s = dict(in_shardings=([a.sharding for a in self._leaves],
+                                       [a.sharding for a in self._mtp_leaves],
+                                       kv_sharding, rep, rep, rep),
+                         out_shardings=(kv_sharding, rep))
         self.k, self.num_slots = k, num_slots
-        self.drafts = jnp.zeros((num_slots, k), jnp.int32)
+        self.drafts = jnp.zeros((num_slots, k), jnp.int32, device=rep)
         self._fn = jax.jit(partial(_draft, graphdef, treedef, mtp_graphdef, mtp_treedef,
-                                   num_blocks, block_size, k), donate_argnums=(2, 3))
+                                   num_blocks, block_size, k), donate_argnums=(2, 3), **jit_s)
         self._programs = {}
         # verified draft runs, their drafts, the accepted ones, those accepted at each position
         self._counts = {"spec_decode_num_drafts": 0, "spec_decode_num_draft_tokens": 0,
@@ -177,8 +194,9 @@ class Drafter:
         """Compile the program of bucket (T, N) for a KV pool like `kv` and hidden states
         like `hidden`."""
         x = self.empty(t, n, max_blocks)
-        self._programs[t, n] = self._fn.lower(self._leaves, self._mtp_leaves, kv,
-                                              self.drafts, hidden, x).compile()
+        with jax.set_mesh(self.mesh) if self.mesh is not None else nullcontext():
+            lowered = self._fn.lower(self._leaves, self._mtp_leaves, kv, self.drafts, hidden, x)
+        self._programs[t, n] = lowered.compile()
 
     def empty(self, t: int, n: int, max_blocks: int) -> DraftInputs:
         """All padding: no head token, no draft."""

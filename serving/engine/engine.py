@@ -47,6 +47,7 @@ from collections import deque
 import jax
 import numpy as np
 
+from qwen35_jax.sharding import mesh_of
 from serving.bucket_counts import ITERATION_TOKENS, BucketCounts
 from serving.engine.block_pool import BlockPool
 from serving.engine.compile_guard import CompileCounter
@@ -110,14 +111,13 @@ class Engine(RemoteMemory):
             if mtp is None:
                 raise ValueError("speculative decoding (method mtp) needs the model's MTP head: "
                                  "this checkpoint has no mtp.* tensors")
-            if c.ep * c.tp > 1:
-                raise ValueError("speculative decoding runs on one device (ep = tp = 1)")
             if cache.kv.shape[1] != model.config.num_groups + c.mtp_layers:
                 raise ValueError("speculative decoding needs a cache with the MTP head's KV "
                                  "layer (EngineConfig.mtp_layers)")
             self.drafter = Drafter(model, mtp, k=c.num_speculative_tokens,
                                    num_blocks=c.num_blocks, block_size=c.block_size,
-                                   num_slots=c.num_slots)
+                                   num_slots=c.num_slots,
+                                   kv_sharding=cache.kv.sharding if mesh_of(cache.kv) else None)
         self.compiles = CompileCounter()
         self.runner = Runner(model, cache, num_slots=c.num_slots,
                              max_blocks_per_seq=c.max_blocks_per_seq, buckets=c.buckets,
