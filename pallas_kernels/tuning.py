@@ -88,8 +88,8 @@ GROUPED_MATMUL = {
     # best tile up to 2048 rows (256 sequences x top-8) and ahead of Mosaic there;
     # 64-row tiles from 4096 rows; the Mosaic kernel, reading the layer stack in place,
     # is faster above 8192 rows (2.2x at 65536)
-    # W8A8: 128-deep e4m3 steps, 20-30 % faster than 64-deep ones at 16-256 sequences
-    # (H100, bench/RESULTS.md, the W8A8 experts)
+    # W8A8: 128-deep e4m3 steps take 18-26 % less time than 64-deep ones at 16-256
+    # sequences (H100, bench/RESULTS.md, the W8A8 experts)
     "sm90": dict(tiles=((2048, _GMM_DECODE), (None, _GMM_MID)), mgpu_above=8192,
                  fp8=dict(bk=128)),
     # Blackwell: unmeasured; the Hopper entry without the wgmma kernel

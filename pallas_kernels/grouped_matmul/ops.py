@@ -56,16 +56,14 @@ def grouped_matmul(x, w, group_sizes, *, group_offset=0, scale=None, splits: int
     must mask them (the MoE's expert-parallel path does). "auto" falls back to the
     reference where no kernel fits (dtype, K or N)."""
     chosen = resolve(backend, x.shape[0])
-    rows = (x,)
-    kw = dict(group_offset=group_offset)
-    if scale is not None:
-        xq, xs = quantize_rows(x)
-        rows = (xq,)
+    lhs, kw = x, dict(group_offset=group_offset)
+    if scale is not None:  # W8A8
+        lhs, xs = quantize_rows(x)
         kw.update(scale=scale, splits=splits, x_scale=xs, out_dtype=x.dtype)
     if chosen in ("pallas", "interpret"):
         cfg = grouped_matmul_config(x.shape[0], fp8=scale is not None)
-        if backend != "auto" or tiles_fit(rows[0], w, cfg, scale, splits):
-            return grouped_matmul_pallas(*rows, w, group_sizes, **kw,
+        if backend != "auto" or tiles_fit(lhs, w, cfg, scale, splits):
+            return grouped_matmul_pallas(lhs, w, group_sizes, **kw,
                                          interpret=chosen == "interpret")
         chosen = "mgpu" if _family(gpu_arch()) == "sm90" else "reference"  # wgmma: sm90
     if chosen == "mgpu":
@@ -74,7 +72,7 @@ def grouped_matmul(x, w, group_sizes, *, group_offset=0, scale=None, splits: int
             if fp8_tiles_fit(k, n, n // splits):
                 kernel = functools.partial(grouped_matmul_fp8_mgpu, ws=scale, part=n // splits,
                                            out_dtype=x.dtype)
-                return padded_call(kernel, (xq, xs), w, group_sizes, group_offset, FP8_TILES)
+                return padded_call(kernel, (lhs, xs), w, group_sizes, group_offset, FP8_TILES)
         else:
             tiles = mgpu_tiles(x, w)
             if tiles is not None:
@@ -82,4 +80,4 @@ def grouped_matmul(x, w, group_sizes, *, group_offset=0, scale=None, splits: int
         if backend == "mgpu":
             raise ValueError(f"mgpu grouped matmul does not take x {x.shape} {x.dtype}, "
                              f"w {w.shape} {w.dtype}")
-    return grouped_matmul_reference(*rows, w, group_sizes, **kw)
+    return grouped_matmul_reference(lhs, w, group_sizes, **kw)

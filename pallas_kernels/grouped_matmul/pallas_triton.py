@@ -12,9 +12,9 @@ scanned model passes its stacked expert weights whole, where slicing one layer o
 first would copy every expert of every layer on every step.
 
 W8A8 experts (block_fp8): the rows arrive as e4m3 with a scale per 128-entry group,
-the experts K-major; a step multiplies the two e4m3 tiles (1.3-1.5x faster than
-widening both to bf16 first on the H100: bench/RESULTS.md, W8A8 experts) and scales the
-float32 product by the rows' and the block's scales.
+the experts K-major; a step multiplies the two e4m3 tiles (1.2-1.3x faster than
+widening both to bf16 first, same tiles, on the H100: bench/RESULTS.md, W8A8 experts)
+and scales the float32 product by the rows' and the block's scales.
 
 Rows past the last group are not written (the caller masks them, as for the Mosaic
 kernel). Out-of-bounds dynamic slices clamp in interpret mode, so the wrapper pads the
