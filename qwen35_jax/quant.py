@@ -47,14 +47,13 @@ def splits_of(path: str) -> int:
 def is_k_major(ppath: str) -> bool:
     """Whether the parameter at ``ppath`` (an FP8 one, or its scales) is held K-major
     ([..., out, in]): the experts' tensors, which the FP8 tensor cores read that way."""
-    return ppath.rsplit(".", 1)[-1].removesuffix("_scale") in ("experts_gate_up",
-                                                                "experts_down")
+    return "mlp." + ppath.rsplit(".", 1)[-1].removesuffix("_scale") in EXPERTS
 
 
 def quantize_model(model, paths) -> None:
     """Convert the parameters at layer-relative ``paths`` of every layer of ``model``
     (concrete or abstract, in place) to FP8 with block scales: a ``Linear``'s kernel
-    gains ``scale``, an expert tensor ``<name>_scale`` (both K-major: block_fp8)."""
+    gains ``scale``; an expert tensor, held K-major (block_fp8), ``<name>_scale``."""
     from qwen35_jax.layers.linear import Linear
 
     paths = set(paths)

@@ -27,8 +27,8 @@ from ..block_fp8 import BLOCK, column_block
 from .mgpu import persistent_kernel, store_tile, tile_table
 
 # One tile: 64 rows (a warpgroup's wgmma), one 128 x 128 scale block of the weight per
-# step, so the step's scale is one scalar. The accumulator and the running sum hold
-# 64 + 64 float32 registers a thread.
+# step, so a step scales its product by one weight scale and one scale a row. The
+# accumulator and the running sum hold 64 + 64 float32 registers a thread.
 FP8_TILES = dict(block_m=64, block_n=BLOCK, block_k=BLOCK, max_concurrent_steps=4)
 
 
