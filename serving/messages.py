@@ -27,6 +27,7 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field
 
 from serving.engine import RequestOutput, SamplingParams
+from serving.engine.config import MAX_SPECULATIVE_TOKENS
 from transfer import Ticket
 from transfer.lease import ID as LEASE_ID
 
@@ -83,7 +84,8 @@ class PrefillResult(Message):
     num_cached_tokens: Annotated[int, Field(ge=0, lt=2**31)] = 0  # prefix-cache hit
     queue_seconds: Annotated[float, Field(ge=0)] = 0.0  # waiting before its prefill began
     # speculative decoding: the MTP head's drafts after the first token
-    draft_token_ids: list[TokenId] = Field(default_factory=list, max_length=4)
+    draft_token_ids: list[TokenId] = Field(default_factory=list,
+                                          max_length=MAX_SPECULATIVE_TOKENS)
 
 
 ChannelId = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[0-9a-f]+$")]
@@ -96,7 +98,8 @@ class DecodeRequest(Message):
     params: Sampling
     transfer: Ticket
     channel: ChannelId  # the output channel (GET /outputs) that carries its frames
-    draft_token_ids: list[TokenId] = Field(default_factory=list, max_length=4)  # to verify first
+    draft_token_ids: list[TokenId] = Field(default_factory=list,
+                                          max_length=MAX_SPECULATIVE_TOKENS)  # to verify first
 
 
 class DecodeAbort(Message):
