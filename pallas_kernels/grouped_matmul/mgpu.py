@@ -79,10 +79,10 @@ def tile_table(group_sizes, group_offset, rows: int, block_m: int):
 
 
 def grouped_matmul_mgpu(x, w, group_sizes, group_offset=0, *, block_m: int, block_n: int,
-                        block_k: int, max_concurrent_steps: int):
+                        block_k: int, max_concurrent_steps: int, ctas_per_sm: int = 1):
     """x [R, K] (R a multiple of block_m, rows sorted by group), w [G, K, N], group_sizes
     [E]: out[r] = x[r] @ w[group_offset + e] for the rows r of group e, float32
-    accumulation, x's dtype out."""
+    accumulation, x's dtype out. ``ctas_per_sm`` CTAs share an SM's tiles."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -122,7 +122,7 @@ def grouped_matmul_mgpu(x, w, group_sizes, group_offset=0, *, block_m: int, bloc
                 store_tile(acc, o_gmem, block, ni, lo, size)
 
     return persistent_kernel(body, jax.ShapeDtypeStruct((m, n), x.dtype),
-                             plgpu.LoweringSemantics.Warpgroup)(table, x, w)
+                             plgpu.LoweringSemantics.Warpgroup, ctas_per_sm)(table, x, w)
 
 
 def store_tile(acc, o_gmem, block, ni, lo, size):

@@ -28,8 +28,12 @@ from .mgpu import persistent_kernel, store_tile, tile_table
 
 # One tile: 64 rows (a warpgroup's wgmma), one 128 x 128 scale block of the weight per
 # step, so a step scales its product by one weight scale and one scale a row. The
-# accumulator and the running sum hold 64 + 64 float32 registers a thread.
-FP8_TILES = dict(block_m=64, block_n=BLOCK, block_k=BLOCK, max_concurrent_steps=4)
+# accumulator and the running sum hold 64 + 64 float32 registers a thread. Two CTAs an
+# SM (3 stages each, 2 x 88 KB of SMEM): while one scales its product the other's wgmma
+# runs, which took 12-36 % off one CTA at 4 stages (H100, 16384-65536 rows;
+# bench/RESULTS.md, "Two CTAs an SM for the W8A8 kernel").
+FP8_TILES = dict(block_m=64, block_n=BLOCK, block_k=BLOCK, max_concurrent_steps=3,
+                 ctas_per_sm=2)
 
 
 def fp8_tiles_fit(k: int, n: int, part: int) -> bool:
@@ -39,13 +43,14 @@ def fp8_tiles_fit(k: int, n: int, part: int) -> bool:
 
 def grouped_matmul_fp8_mgpu(xq, xs, wq, group_sizes, group_offset=0, *, ws, part: int,
                             out_dtype, block_m: int, block_n: int, block_k: int,
-                            max_concurrent_steps: int):
+                            max_concurrent_steps: int, ctas_per_sm: int = 1):
     """xq [R, K] e4m3 (R a multiple of block_m, rows sorted by group) with group scales
     xs [R, K/128]; wq [G, N, K] e4m3 with block scales ws [G, N/128, K/128] (``part``:
     the columns of each part of a fused tensor, block_fp8.column_block); group_sizes [E]:
     out[r] = sum over 128-blocks kb of xs[r, kb] ws[g, nb, kb] (xq[r, kb] . wq[g, :,
     kb]) for the rows r of group e, g = group_offset + e; float32 sums, ``out_dtype``
-    out. Rows past sum(group_sizes) are not written."""
+    out. Rows past sum(group_sizes) are not written. ``ctas_per_sm`` CTAs share an SM's
+    tiles."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -99,4 +104,4 @@ def grouped_matmul_fp8_mgpu(xq, xs, wq, group_sizes, group_offset=0, *, ws, part
                 store_tile(acc, o_gmem, block, ni, lo, size)
 
     return persistent_kernel(body, jax.ShapeDtypeStruct((m, n), out_dtype),
-                             plgpu.LoweringSemantics.Lane)(table, xq, xs.T, wq, ws)
+                             plgpu.LoweringSemantics.Lane, ctas_per_sm)(table, xq, xs.T, wq, ws)
