@@ -2,10 +2,10 @@
 
 The work is a list of tiles, one per (row block, group) pair that holds rows, built in
 XLA before the launch (``tile_table``): tile t multiplies rows [lo, lo + size) of row
-block ``block`` by ``w[group]``. Each SM walks the tiles x column tiles round-robin;
-a tile's K loop is a TMA pipeline feeding wgmma, and its rows are stored by a ladder of
-power-of-two TMA stores (``_mgpu.store_rows``: a TMA store has a static shape, the row
-count is dynamic).
+block ``block`` by ``w[group]``. The CTAs (one an SM, or ``ctas_per_sm``) walk the tiles
+x column tiles round-robin; a tile's K loop is a TMA pipeline feeding wgmma, and its
+rows are stored by a ladder of power-of-two TMA stores (``_mgpu.store_rows``: a TMA
+store has a static shape, the row count is dynamic).
 
 Two things JAX's ``ragged_dot_mgpu`` does not do, and why they matter here:
   * ``group`` is an index into the whole weight stack ([L * E, K, N], every layer's

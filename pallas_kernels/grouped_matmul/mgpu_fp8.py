@@ -1,11 +1,11 @@
 """Mosaic GPU grouped matmul on e4m3 operands (sm90: FP8 wgmma + TMA), for prefill-size
 MoE batches on FP8 experts.
 
-The tile walk is ``mgpu.py``'s (the same tile table, one loop per SM, the row ladder of
-TMA stores); what differs is the product. Both operands are e4m3: the rows quantised
-in 128-entry groups (``block_fp8.quantize_rows``), the experts as they are. wgmma reads
-8-bit operands only K-major, so the experts come [G, N, K] (``block_fp8``: the K-major
-expert layout), and a [block_n, block_k] tile is handed to wgmma transposed.
+The tile walk is ``mgpu.py``'s (the same tile table, walked round-robin by the CTAs, the
+row ladder of TMA stores); what differs is the product. Both operands are e4m3: the rows
+quantised in 128-entry groups (``block_fp8.quantize_rows``), the experts as they are.
+wgmma reads 8-bit operands only K-major, so the experts come [G, N, K] (``block_fp8``:
+the K-major expert layout), and a [block_n, block_k] tile is handed to wgmma transposed.
 
 The scales change every 128 entries of K, so one 128-deep step's product cannot share
 an accumulator with the next: each step runs wgmma into a fresh accumulator, waits, and
