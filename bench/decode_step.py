@@ -26,6 +26,10 @@ step of an N-token prompt (median of three single-token requests, after a warm o
 With ``--profile`` it also traces the plain engine on XLA's cache (``bench.profile``) and
 prints one decode step's kernels by time, and how much of the step the device was busy;
 ``--profile-prefill N`` does the same for one prefill step of an N-token prompt.
+Beside each step, its floor over the ceilings measured on the device first
+(``bench.roofline.step_floor`` at the run's mean context, in the model's own weight
+bytes, so an FP8 model's floor is its FP8 one) and the part of that floor that is the
+weights' bytes alone.
 """
 
 import argparse
@@ -39,6 +43,7 @@ import jax
 import numpy as np
 
 from bench import profile
+from bench.roofline import bandwidth, floor_seconds, measure_ceilings, model_costs, step_floor
 from bench.timing import decode_step_seconds, run_sync
 from serving.async_engine import AsyncEngine
 from serving.engine import Engine, EngineConfig, SamplingParams
@@ -129,17 +134,22 @@ def main(argv=None) -> dict:
                    help="also time one prefill step of an N-token prompt")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
+    on_cpu = jax.default_backend() == "cpu"
+    ceilings = measure_ceilings((64 if on_cpu else 4096) << 20, 512 if on_cpu else 8192)
     results = []
     for quantization in a.quantizations:
-        results.append(run_case(a, None if quantization == "none" else quantization))
+        results.append(run_case(a, None if quantization == "none" else quantization, ceilings))
         gc.collect()  # one model's weights and caches at a time
     rows = [r for res in results for r in res["rows"]]
     if len(results) > 1:
         base = {(r["cache"], r["loop"], r["seqs"]): r["step_ms"] for r in results[0]["rows"]}
-        print("| weights | cache | loop | seqs | decode step ms | vs first |\n|---|---|---|---|---|---|")
+        print("| weights | cache | loop | seqs | decode step ms | vs first | floor ms (% reached) "
+              "| weights' floor ms |\n|---|---|---|---|---|---|---|---|")
         for r in rows:
             print(f"| {r['quantization']} | {r['cache']} | {r['loop']} | {r['seqs']} | "
-                  f"{r['step_ms']:.2f} | {base[r['cache'], r['loop'], r['seqs']] / r['step_ms']:.2f}x |")
+                  f"{r['step_ms']:.2f} | {base[r['cache'], r['loop'], r['seqs']] / r['step_ms']:.2f}x "
+                  f"| {r['floor_ms']:.2f} ({100 * r['floor_ms'] / r['step_ms']:.0f} %) "
+                  f"| {r['weights_floor_ms']:.2f} |")
         for res in results:
             if "prefill_ms" in res:
                 print(f"prefill step of {a.prefill_len} tokens, {res['quantization']}: "
@@ -161,8 +171,9 @@ def _registered_cache(model_config, config, dtype):
                                      dtype=dtype)[0]
 
 
-def run_case(a, quantization) -> dict:
-    """Every case of ``a`` on one model (``quantization``: None or "fp8")."""
+def run_case(a, quantization, ceilings) -> dict:
+    """Every case of ``a`` on one model (``quantization``: None or "fp8"), each step beside
+    its floor over ``ceilings``."""
     dtype = default_dtype()
     seqs = max(a.seqs)
     tokens = max(max(a.prompt_len, 64) * seqs, a.profile_prefill, a.prefill_len)
@@ -179,6 +190,9 @@ def run_case(a, quantization) -> dict:
         "registered": lambda: _registered_cache(model.config, config, dtype),
     }
     engine = Engine(model, caches["xla"](), config)
+    cache = engine.runner.cache
+    costs = model_costs(model, {"block_bytes": cache.block_nbytes,
+                                "slot_bytes": cache.slot_nbytes}, a.block_size)
     copies = full_cache_copies(engine.runner)
     print("whole-cache copies per step:", {k: v for k, v in copies.items() if v} or "none")
     rng = np.random.default_rng(0)
@@ -212,10 +226,14 @@ def run_case(a, quantization) -> dict:
                 first = len(dispatch.seconds)
                 s = decode_step_seconds(run, engine, prompts, a.steps)
                 d = dispatch.median_ms(first)
+                f = step_floor(costs, [(a.prompt_len + a.steps // 2, 1)] * n)
                 rows.append({"quantization": quantization or "none", "cache": cache_kind,
-                             "loop": loop, "seqs": n, "step_ms": 1e3 * s, "dispatch_ms": d})
+                             "loop": loop, "seqs": n, "step_ms": 1e3 * s, "dispatch_ms": d,
+                             "floor_ms": 1e3 * floor_seconds(f, ceilings),
+                             "weights_floor_ms": 1e3 * f["weight_bytes"] / bandwidth(ceilings)})
                 print(f"cache {cache_kind:>10}  loop {loop:>6}  seqs {n:>4}  "
-                      f"decode step {1e3 * s:8.2f} ms  dispatch {d:6.2f} ms", flush=True)
+                      f"decode step {1e3 * s:8.2f} ms  floor {rows[-1]['floor_ms']:8.2f} ms  "
+                      f"dispatch {d:6.2f} ms", flush=True)
                 if a.profile and cache_kind == "xla" and loop == "engine":
                     step = profile.difference(
                         profile.kernel_times(lambda: run(engine, prompts, 1 + a.steps)),
@@ -224,12 +242,13 @@ def run_case(a, quantization) -> dict:
                     print(f"one decode step at {n} sequences, from the trace:\n"
                           f"{profile.table(step)}", flush=True)
     base = {r["seqs"]: r["step_ms"] for r in rows}  # the first case's
-    print("| cache | loop | seqs | decode step ms | vs first case | dispatch ms |\n"
-          "|---|---|---|---|---|---|")
+    print("| cache | loop | seqs | decode step ms | vs first case | floor ms (% reached) | "
+          "dispatch ms |\n|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['cache']} | {r['loop']} | {r['seqs']} | {r['step_ms']:.2f} | "
-              f"{r['step_ms'] / base[r['seqs']]:.2f}x | {r['dispatch_ms']:.2f} |")
-    result.update(cache_gib={"kv": config.num_blocks * engine.runner.cache.block_nbytes / 2**30},
+              f"{r['step_ms'] / base[r['seqs']]:.2f}x | {r['floor_ms']:.2f} "
+              f"({100 * r['floor_ms'] / r['step_ms']:.0f} %) | {r['dispatch_ms']:.2f} |")
+    result.update(ceilings=ceilings, cache_gib={"kv": config.num_blocks * engine.runner.cache.block_nbytes / 2**30},
                   whole_cache_copies=copies, rows=rows, profiles=profiles)
     return result
 

@@ -35,7 +35,7 @@ import time
 
 import numpy as np
 
-from bench.roofline import measure_ceilings, model_costs, step_floor
+from bench.roofline import bandwidth, measure_ceilings, model_costs, step_floor
 from serving import LLM, SamplingParams
 from serving.engine.buckets import Buckets
 
@@ -97,8 +97,7 @@ def roofline(costs: dict, ceilings: dict, records, timeline) -> dict:
     (device waiting for a dispatch after finishing the previous step) overall and
     over decode steps of >= 64 sequences. records[i] is the i-th dispatched step's
     (is_decode, [(start, tokens)]); timeline[i] its (seq, dispatch, done)."""
-    bw = max(ceilings["copy_bytes_per_s"], ceilings["read_bytes_per_s"])
-    rate = ceilings["matmul_flops_per_s"]
+    bw, rate = bandwidth(ceilings), ceilings["matmul_flops_per_s"]
     phases = {k: dict(steps=0, tokens=0, busy_s=0.0, floor_s=0.0, memory_bound=0)
               for k in ("prefill", "decode", "all")}
     idle = big_idle = big_span = 0.0

@@ -79,9 +79,11 @@ def model_costs(model, cache_report: dict, block_size: int) -> dict:
 
 
 def step_floor(c: dict, seqs) -> dict:
-    """FLOPs and bytes of one step (its floor's inputs); seqs: [(start, tokens)]."""
+    """FLOPs and bytes of one step (its floor's inputs), and of those bytes the weights';
+    seqs: [(start, tokens)]."""
     t = sum(n for _, n in seqs)
-    nbytes = c["dense_bytes"] + c["head_bytes"] + c["expert_bytes"] * touched(c, t)
+    weight_bytes = c["dense_bytes"] + c["head_bytes"] + c["expert_bytes"] * touched(c, t)
+    nbytes = weight_bytes
     flops = 2 * t * (c["dense_params"] + c["expert_params"] * c["expert_share"])
     flops += 2 * len(seqs) * c["head_params"]
     flops += t * c["gdn_layers"] * c["gdn_value_heads"] * GDN_FLOPS_PER_DKDV * c["gdn_dkdv"]
@@ -91,7 +93,18 @@ def step_floor(c: dict, seqs) -> dict:
         nbytes += c["slot_bytes"] * (2 if start > 0 else 1)
         causal += n * start + n * (n + 1) // 2  # keys seen, summed over the step's queries
     flops += 4 * c["heads"] * c["head_dim"] * c["attn_layers"] * causal
-    return {"flops": flops, "bytes": nbytes, "tokens": t, "seqs": len(seqs)}
+    return {"flops": flops, "bytes": nbytes, "weight_bytes": weight_bytes, "tokens": t,
+            "seqs": len(seqs)}
+
+
+def bandwidth(ceilings: dict) -> float:
+    """The faster of the measured copy and read rates, bytes a second."""
+    return max(ceilings["copy_bytes_per_s"], ceilings["read_bytes_per_s"])
+
+
+def floor_seconds(f: dict, ceilings: dict) -> float:
+    """A ``step_floor``'s seconds: max(FLOPs / matmul rate, bytes / bandwidth)."""
+    return max(f["flops"] / ceilings["matmul_flops_per_s"], f["bytes"] / bandwidth(ceilings))
 
 
 def abstract_costs(model: str, dtype, block_size: int) -> dict:
@@ -116,11 +129,8 @@ def serving_floor(costs: dict, ceilings: dict, input_lens, output_lens, concurre
     context (prompt + half the output).  The disaggregated pair overlaps the two on
     separate devices (its throughput floor is set by the slower); one aggregated device
     does both in turn."""
-    bw = max(ceilings["copy_bytes_per_s"], ceilings["read_bytes_per_s"])
-    rate = ceilings["matmul_flops_per_s"]
-
     def seconds(f):
-        return max(f["flops"] / rate, f["bytes"] / bw)
+        return floor_seconds(f, ceilings)
 
     prefill_s = sum(seconds(step_floor(costs, [(0, int(n))])) for n in input_lens)
     batch = max(1, min(concurrency, len(output_lens)))

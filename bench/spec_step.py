@@ -34,7 +34,8 @@ import jax
 import numpy as np
 
 from bench import profile
-from bench.roofline import measure_ceilings, model_costs, role_sizes, step_floor, touched
+from bench.roofline import (bandwidth, floor_seconds, measure_ceilings, model_costs, role_sizes,
+                            step_floor, touched)
 from serving.engine import Engine, EngineConfig, SamplingParams
 from serving.engine.buckets import Buckets
 from serving.engine.capacity import allocate_cache
@@ -57,10 +58,8 @@ def draft_bytes(mtp, costs: dict, seqs: int) -> float:
 
 def floor_ms(costs: dict, ceilings: dict, k: int, seqs: int, context: int, mtp) -> float:
     """The step's floor (module docstring), in ms."""
-    bw = max(ceilings["copy_bytes_per_s"], ceilings["read_bytes_per_s"])
-    f = step_floor(costs, [(context, k + 1)] * seqs)
-    target = max(f["bytes"] / bw, f["flops"] / ceilings["matmul_flops_per_s"])
-    draft = k * draft_bytes(mtp, costs, seqs) / bw if k else 0.0
+    target = floor_seconds(step_floor(costs, [(context, k + 1)] * seqs), ceilings)
+    draft = k * draft_bytes(mtp, costs, seqs) / bandwidth(ceilings) if k else 0.0
     return 1e3 * (target + draft)
 
 

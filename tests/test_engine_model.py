@@ -303,7 +303,8 @@ def test_decode_step_bench_runs_on_cpu(tmp_path):
 
 def test_decode_step_bench_times_bf16_and_fp8_weights_in_one_process():
     """``--quantizations none fp8``: one model after the other, the chosen case and a
-    prefill step each, on weights of the two formats."""
+    prefill step each, on weights of the two formats, each step beside a floor counted
+    in its own weights' bytes."""
     from bench.decode_step import main
 
     plain, fp8 = main(["--seqs", "2", "--steps", "2", "--prompt-len", "16", "--max-model-len",
@@ -314,3 +315,5 @@ def test_decode_step_bench_times_bf16_and_fp8_weights_in_one_process():
         assert [(x["cache"], x["loop"], x["quantization"]) for x in r["rows"]] == [
             ("xla", "engine", r["quantization"])]
         assert np.isfinite(r["rows"][0]["step_ms"]) and r["prefill_ms"] > 0
+        assert 0 < r["rows"][0]["weights_floor_ms"] < r["rows"][0]["floor_ms"] < np.inf
+    assert fp8["rows"][0]["weights_floor_ms"] < plain["rows"][0]["weights_floor_ms"]
