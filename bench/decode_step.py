@@ -248,7 +248,7 @@ def run_case(a, quantization, ceilings) -> dict:
         print(f"| {r['cache']} | {r['loop']} | {r['seqs']} | {r['step_ms']:.2f} | "
               f"{r['step_ms'] / base[r['seqs']]:.2f}x | {r['floor_ms']:.2f} "
               f"({100 * r['floor_ms'] / r['step_ms']:.0f} %) | {r['dispatch_ms']:.2f} |")
-    result.update(ceilings=ceilings, cache_gib={"kv": config.num_blocks * engine.runner.cache.block_nbytes / 2**30},
+    result.update(ceilings=ceilings, cache_gib={"kv": config.num_blocks * cache.block_nbytes / 2**30},
                   whole_cache_copies=copies, rows=rows, profiles=profiles)
     return result
 

@@ -129,21 +129,19 @@ def serving_floor(costs: dict, ceilings: dict, input_lens, output_lens, concurre
     context (prompt + half the output).  The disaggregated pair overlaps the two on
     separate devices (its throughput floor is set by the slower); one aggregated device
     does both in turn."""
-    def seconds(f):
-        return floor_seconds(f, ceilings)
-
-    prefill_s = sum(seconds(step_floor(costs, [(0, int(n))])) for n in input_lens)
+    prefill_s = sum(floor_seconds(step_floor(costs, [(0, int(n))]), ceilings)
+                    for n in input_lens)
     batch = max(1, min(concurrency, len(output_lens)))
     context = int(np.mean(input_lens) + np.mean(output_lens) / 2)
     step = step_floor(costs, [(context, 1)] * batch)
-    decode_steps = sum(output_lens) / batch
+    step_s = floor_seconds(step, ceilings)
+    decode_s = sum(output_lens) / batch * step_s
     tokens = sum(input_lens) + sum(output_lens)
-    return {"prefill_s": prefill_s, "decode_step_s": seconds(step),
-            "decode_step_bytes": step["bytes"], "decode_s": decode_steps * seconds(step),
+    return {"prefill_s": prefill_s, "decode_step_s": step_s,
+            "decode_step_bytes": step["bytes"], "decode_s": decode_s,
             "prefill_tokens_per_s": sum(input_lens) / prefill_s,
-            "disaggregated_tokens_per_s_per_gpu":
-                tokens / max(prefill_s, decode_steps * seconds(step)) / 2,
-            "aggregated_tokens_per_s": tokens / (prefill_s + decode_steps * seconds(step))}
+            "disaggregated_tokens_per_s_per_gpu": tokens / max(prefill_s, decode_s) / 2,
+            "aggregated_tokens_per_s": tokens / (prefill_s + decode_s)}
 
 
 def main(argv=None) -> None:

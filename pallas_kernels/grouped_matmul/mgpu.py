@@ -2,8 +2,8 @@
 
 The work is a list of tiles, one per (row block, group) pair that holds rows, built in
 XLA before the launch (``tile_table``): tile t multiplies rows [lo, lo + size) of row
-block ``block`` by ``w[group]``. The CTAs (one an SM, or ``ctas_per_sm``) walk the tiles
-x column tiles round-robin; a tile's K loop is a TMA pipeline feeding wgmma, and its
+block ``block`` by ``w[group]``. The CTAs (one an SM; ``persistent_kernel``) walk the
+tiles x column tiles round-robin; a tile's K loop is a TMA pipeline feeding wgmma, and its
 rows are stored by a ladder of power-of-two TMA stores (``_mgpu.store_rows``: a TMA
 store has a static shape, the row count is dynamic).
 
@@ -79,10 +79,10 @@ def tile_table(group_sizes, group_offset, rows: int, block_m: int):
 
 
 def grouped_matmul_mgpu(x, w, group_sizes, group_offset=0, *, block_m: int, block_n: int,
-                        block_k: int, max_concurrent_steps: int, ctas_per_sm: int = 1):
+                        block_k: int, max_concurrent_steps: int):
     """x [R, K] (R a multiple of block_m, rows sorted by group), w [G, K, N], group_sizes
     [E]: out[r] = x[r] @ w[group_offset + e] for the rows r of group e, float32
-    accumulation, x's dtype out. ``ctas_per_sm`` CTAs share an SM's tiles."""
+    accumulation, x's dtype out."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -122,7 +122,7 @@ def grouped_matmul_mgpu(x, w, group_sizes, group_offset=0, *, block_m: int, bloc
                 store_tile(acc, o_gmem, block, ni, lo, size)
 
     return persistent_kernel(body, jax.ShapeDtypeStruct((m, n), x.dtype),
-                             plgpu.LoweringSemantics.Warpgroup, ctas_per_sm)(table, x, w)
+                             plgpu.LoweringSemantics.Warpgroup)(table, x, w)
 
 
 def store_tile(acc, o_gmem, block, ni, lo, size):
