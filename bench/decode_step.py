@@ -146,8 +146,9 @@ def main(argv=None) -> dict:
         print("| weights | cache | loop | seqs | decode step ms | vs first | floor ms (% reached) "
               "| weights' floor ms |\n|---|---|---|---|---|---|---|---|")
         for r in rows:
+            first = base[r["cache"], r["loop"], r["seqs"]]
             print(f"| {r['quantization']} | {r['cache']} | {r['loop']} | {r['seqs']} | "
-                  f"{r['step_ms']:.2f} | {base[r['cache'], r['loop'], r['seqs']] / r['step_ms']:.2f}x "
+                  f"{r['step_ms']:.2f} | {first / r['step_ms']:.2f}x "
                   f"| {r['floor_ms']:.2f} ({100 * r['floor_ms'] / r['step_ms']:.0f} %) "
                   f"| {r['weights_floor_ms']:.2f} |")
         for res in results:
@@ -248,7 +249,8 @@ def run_case(a, quantization, ceilings) -> dict:
         print(f"| {r['cache']} | {r['loop']} | {r['seqs']} | {r['step_ms']:.2f} | "
               f"{r['step_ms'] / base[r['seqs']]:.2f}x | {r['floor_ms']:.2f} "
               f"({100 * r['floor_ms'] / r['step_ms']:.0f} %) | {r['dispatch_ms']:.2f} |")
-    result.update(ceilings=ceilings, cache_gib={"kv": config.num_blocks * cache.block_nbytes / 2**30},
+    result.update(ceilings=ceilings,
+                  cache_gib={"kv": config.num_blocks * cache.block_nbytes / 2**30},
                   whole_cache_copies=copies, rows=rows, profiles=profiles)
     return result
 
