@@ -116,7 +116,7 @@ def dense_timings(ceil, sweep) -> list[dict]:
         for cfg in (SWEEP if sweep else ()):
             variants.append(("fp8 bn{bn} bk{bk} st{stages}".format(**cfg),
                              lambda x, w_, s_, i, cfg=cfg: layer_matmul_pallas(
-                                 x, w_, i, s_, config=cfg), (q, s)))
+                                 x, [w_], i, [s_], config=cfg)[0], (q, s)))
         floor = {"bf16": k * n * 2 / ceil["read_bytes_per_s"],
                  "fp8": (k * n + s[0].size * 4) / ceil["read_bytes_per_s"]}
         for rows in DENSE_ROWS:
@@ -134,7 +134,7 @@ def dense_timings(ceil, sweep) -> list[dict]:
                     print(f"{name} rows {rows} {variant}: {type(e).__name__}: {str(e)[:160]}")
             for cfg in (SWEEP if sweep and rows == DENSE_ROWS[1] else ()):  # same products?
                 base = layer_matmul(x, q, 1, scale=s, backend="pallas")
-                err, ok = _err(layer_matmul_pallas(x, q, 1, s, config=cfg),
+                err, ok = _err(layer_matmul_pallas(x, [q], 1, [s], config=cfg)[0],
                                np.asarray(base, np.float64))
                 print(f"  agree {cfg}: {err:.1e} {'ok' if ok else 'FAIL'}")
             out.append(row)

@@ -4,16 +4,19 @@ scan against what the scan did before (slice the layer, then XLA's GEMM).
     python -m bench.layer_matmul [--check-only] [--sweep] [--json FILE]
 
 Check: ``layer_matmul(..., backend="pallas")`` against float32 ``x @ w[layer]`` in float64
-for row counts off a power of two and every dense shape below; ||out - ref|| / ||ref||
-under 1e-2 (bf16 output rounding ~4e-3), every entry finite.
+for row counts off a power of two and every dense shape below, and ``layer_matmuls`` (one
+launch) for each projection group of GROUPS; ||out - ref|| / ||ref|| under 1e-2 (bf16
+output rounding ~4e-3), every entry finite.
 
 Timing: the 35B-A3B dense shapes (GDN in_proj_qkv / in_proj_z / out_proj, attention
 q_proj / o_proj, shared-expert gate / up / down) at decode row counts, weights stacked
 over LAYERS layers; each variant is a ``lax.scan`` over the layers computing x @ w[i]
 (summed, so nothing is dead), per layer = total / LAYERS: "pallas" reads each layer in
 place, "reference" slices it (XLA materialises the slice inside the loop) and runs XLA's
-GEMM; ``--sweep`` adds the Pallas kernel with each tile setting of SWEEP. Floor: one
-read of the layer's weights at the measured read bandwidth.
+GEMM; ``--sweep`` adds the Pallas kernel with each tile setting of SWEEP. The projection
+groups (the Linears the model runs on one x) are timed the same way: in one launch
+(``layer_matmuls``) against a launch a weight. Floor: one read of the layer's weights at
+the measured read bandwidth.
 """
 
 import argparse
@@ -26,13 +29,17 @@ import jax.numpy as jnp
 
 from bench.roofline import measure_ceilings
 from bench.timing import seconds_per_call
-from pallas_kernels.layer_matmul import layer_matmul, layer_matmul_pallas
+from pallas_kernels.layer_matmul import layer_matmul, layer_matmul_pallas, layer_matmuls
 from pallas_kernels.tuning import layer_matmul_config
 
 LAYERS = 30
 SHAPES = {"in_proj_qkv": (2048, 8192), "in_proj_z": (2048, 4096), "out_proj": (4096, 2048),
           "q_proj": (2048, 8192), "shared_gate": (2048, 512), "shared_down": (512, 2048)}
 ROWS = (16, 64, 128, 256)
+# The 35B-A3B projections of one x (qwen35_jax.layers: ``project``), K -> each N; the GDN's
+# b / a (32 columns) and the shared-expert gate (1) fit no tile and are sliced beside them.
+GROUPS = {"gdn qkv+z": (2048, (8192, 4096)), "attn q+k+v": (2048, (8192, 512, 512)),
+          "router+shared gate+up": (2048, (256, 512, 512))}
 SWEEP = [dict(bn=bn, bk=bk, stages=st, warps=w, min_programs=p, max_rows=256)
          for bn, bk, st, w, p in ((64, 64, 3, 4, 132), (128, 64, 3, 4, 132), (64, 128, 3, 4, 132),
                                   (32, 128, 4, 4, 132), (64, 64, 4, 4, 264), (64, 64, 3, 8, 132),
@@ -53,6 +60,18 @@ def check(rng) -> list[dict]:
             out.append(dict(shape=name, rows=rows, rel_err=err, ok=ok))
             print(f"check {name:12s} rows {rows:4d}: rel err {err:.2e} {'ok' if ok else 'FAIL'}",
                   flush=True)
+    for name, (k, ns) in GROUPS.items():
+        x = jnp.asarray(rng.standard_normal((100, k)) * 0.5, jnp.bfloat16)
+        ws = [jnp.asarray(rng.standard_normal((3, k, n)) * 0.05, jnp.bfloat16) for n in ns]
+        got = jax.jit(lambda a, b: layer_matmuls(a, b, 2, backend="pallas"))(x, ws)
+        errs = [float(np.linalg.norm(np.asarray(g, np.float64) - ref) / np.linalg.norm(ref))
+                for g, w in zip(got, ws)
+                for ref in [np.asarray(x, np.float64) @ np.asarray(w[2], np.float64)]]
+        ok = bool(all(np.isfinite(np.asarray(g, np.float32)).all() for g in got)
+                  and max(errs) < 1e-2)
+        out.append(dict(shape=name, rows=100, rel_err=max(errs), ok=ok))
+        print(f"check {name} (one launch) rows 100: rel err {max(errs):.2e} "
+              f"{'ok' if ok else 'FAIL'}", flush=True)
     return out
 
 
@@ -61,7 +80,8 @@ def _scan(matmul):
     def run(x, w):
         def body(acc, i):
             return acc + jnp.sum(matmul(x, w, i), dtype=jnp.float32), None
-        return jax.lax.scan(body, jnp.float32(0), jnp.arange(w.shape[0]))[0]
+        layers = (w[0] if isinstance(w, list) else w).shape[0]
+        return jax.lax.scan(body, jnp.float32(0), jnp.arange(layers))[0]
     return jax.jit(run)
 
 
@@ -73,7 +93,7 @@ def _variants(sweep):
         if cfg == layer_matmul_config():
             continue  # timed above as "pallas"
         name = "bn{bn} bk{bk} st{stages} w{warps} p{min_programs}".format(**cfg)
-        yield name, lambda x, w, i, cfg=cfg: layer_matmul_pallas(x, w, i, config=cfg)
+        yield name, lambda x, w, i, cfg=cfg: layer_matmul_pallas(x, [w], i, config=cfg)[0]
 
 
 def timings(ceil, sweep=False) -> list[dict]:
@@ -102,6 +122,30 @@ def timings(ceil, sweep=False) -> list[dict]:
     return out
 
 
+def group_timings(ceil) -> list[dict]:
+    """Each projection group in one launch against a launch a weight, per layer."""
+    out = []
+    for name, (k, ns) in GROUPS.items():
+        ws = [jax.random.normal(jax.random.key(j), (LAYERS, k, n), jnp.bfloat16) * 0.05
+              for j, n in enumerate(ns)]
+        floor = k * sum(ns) * 2 / ceil["read_bytes_per_s"]
+        variants = {
+            "one launch": lambda x, w, i: sum(jnp.sum(o, dtype=jnp.float32) for o in
+                                              layer_matmuls(x, w, i, backend="pallas")),
+            "a launch each": lambda x, w, i: sum(
+                jnp.sum(layer_matmul(x, wj, i, backend="pallas"), dtype=jnp.float32)
+                for wj in w)}
+        for rows in ROWS:
+            x = jax.random.normal(jax.random.key(rows), (rows, k), jnp.bfloat16)
+            row = dict(group=name, rows=rows, floor_ms=floor * 1e3)
+            for variant, fn in variants.items():
+                row[variant] = seconds_per_call(_scan(fn), x, ws) / LAYERS * 1e3
+            out.append(row)
+            print(f"{name:22s} rows {rows:4d}  one launch {row['one launch']:.4f} ms  a launch "
+                  f"each {row['a launch each']:.4f} ms  floor {floor * 1e3:.4f} ms", flush=True)
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -121,6 +165,12 @@ def main(argv=None):
             k, n = SHAPES[r["shape"]]
             print(f"| {r['shape']} | {k} -> {n} | {r['rows']} | {r['pallas']:.4f} | "
                   f"{r['reference']:.4f} | {r['floor_ms']:.4f} |")
+        result["groups"] = group_timings(ceil)
+        print("\n| projections | rows | one launch ms | a launch each ms | floor ms |")
+        print("|---|---|---|---|---|")
+        for r in result["groups"]:
+            print(f"| {r['group']} | {r['rows']} | {r['one launch']:.4f} | "
+                  f"{r['a launch each']:.4f} | {r['floor_ms']:.4f} |")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(result, f, indent=2)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from mosaic_runner import need_runner
 from pallas_kernels import block_fp8
 from pallas_kernels.grouped_matmul import grouped_matmul
-from pallas_kernels.layer_matmul import layer_matmul, layer_matmul_pallas
+from pallas_kernels.layer_matmul import layer_matmul, layer_matmul_pallas, layer_matmuls
 
 
 def _fp8_weights(rng, lead, k, n, splits=1):
@@ -64,6 +64,22 @@ def test_layer_matmul_streams_fp8_tiles_with_their_block_scales(m, k, n, dtype, 
         ref = np.asarray(x, np.float64) @ _dequantized(q[layer], scale[layer])
         assert _rel(fn(x, wq, ws, layer), ref) < bound, layer
         assert _rel(layer_matmul(x, wq, layer, scale=ws, backend="reference"), ref) < bound
+
+
+def test_fp8_and_model_dtype_projections_share_a_launch():
+    """An FP8 weight (its own block scales) and a model-dtype one read by the same rows,
+    as an FP8 model's router and shared-expert projections are, in one launch: each
+    product by its own rule."""
+    rng = np.random.default_rng(7)
+    q, scale = _fp8_weights(rng, 2, 160, 272)
+    w = rng.standard_normal((2, 160, 32))
+    x = jnp.asarray(rng.standard_normal((6, 160)), jnp.float32)
+    args = ([jnp.asarray(w, jnp.float32), jnp.asarray(q)], [None, jnp.asarray(scale)])
+    fn = jax.jit(lambda a, ws, ss, l: layer_matmuls(a, ws, l, scales=ss, backend="interpret"))
+    assert str(jax.make_jaxpr(fn)(x, *args, 1)).count("pallas_call") == 1
+    dense, fp8 = fn(x, *args, 1)
+    assert _rel(dense, np.asarray(x, np.float64) @ w[1]) < 1e-6
+    assert _rel(fp8, np.asarray(x, np.float64) @ _dequantized(q[1], scale[1])) < 1e-6
 
 
 def _rows(rng, rows, k, dtype):
@@ -154,7 +170,7 @@ def test_tiles_across_a_scale_block_are_refused():
     x = jnp.ones((4, 128), jnp.float32)
     wide = dict(bn=96, bk=16, warps=4, stages=2, min_programs=1, max_rows=256)
     with pytest.raises(ValueError, match="do not fit"):
-        layer_matmul_pallas(x, jnp.asarray(q), 0, jnp.asarray(scale), interpret=True,
+        layer_matmul_pallas(x, [jnp.asarray(q)], 0, [jnp.asarray(scale)], interpret=True,
                             config=wide)
     assert not block_fp8.tile_fits(16, 32, 128, 96, 48)  # a 32-wide tile straddles the parts
     assert block_fp8.tile_fits(16, 16, 128, 96, 48)

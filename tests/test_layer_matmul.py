@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pallas_kernels.layer_matmul import layer_matmul, layer_matmul_pallas, resolve
+from pallas_kernels.layer_matmul import layer_matmul, layer_matmul_pallas, layer_matmuls, resolve
 from pallas_kernels.layer_matmul.pallas_triton import splits_for
 from pallas_kernels.tuning import layer_matmul_config
 from qwen35_jax.layers import linear as linear_module
@@ -51,13 +51,39 @@ def test_k_splits_give_enough_programs():
     x = jnp.asarray(rng.standard_normal((8, 64)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((2, 64, 16)), jnp.float32)
     ref = np.asarray(x, np.float64) @ np.asarray(w[1], np.float64)
-    assert _rel(layer_matmul_pallas(x, w, 1, interpret=True), ref) < 1e-6
+    assert _rel(layer_matmul_pallas(x, [w], 1, interpret=True)[0], ref) < 1e-6
+
+
+def _pallas_calls(fn, *args) -> int:
+    return str(jax.make_jaxpr(fn)(*args)).count("pallas_call")
+
+
+@pytest.mark.parametrize("m,k", [(3, 64), (20, 128)])
+def test_projections_of_one_x_share_a_launch(m, k, monkeypatch):
+    """Weights of 16, 48 and 32 columns (1 + 3 + 2 column tiles: 6 programs a split, so
+    K splits too) in one launch, each its own layer's product; a weight the backend
+    slices ("auto" does so for one no tile fits) keeps its place in the results."""
+    from pallas_kernels.layer_matmul import ops
+
+    rng = np.random.default_rng(m)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    ws = [jnp.asarray(rng.standard_normal((3, k, n)), jnp.float32) for n in (16, 24, 48, 32)]
+    monkeypatch.setattr(ops, "resolve", lambda backend, x, w, scale: (
+        "reference" if w.shape[2] == 24 else "interpret"))
+    fn = jax.jit(lambda a, w, l: layer_matmuls(a, w, l))
+    assert _pallas_calls(fn, x, ws, 0) == 1
+    for layer in (0, 2):
+        outs = fn(x, ws, layer)
+        assert [o.shape for o in outs] == [(m, w.shape[2]) for w in ws]
+        for out, w in zip(outs, ws):
+            ref = np.asarray(x, np.float64) @ np.asarray(w[layer], np.float64)
+            assert _rel(out, ref) < 1e-6, (layer, w.shape)
 
 
 def test_tiles_that_do_not_fit_are_refused():
     x = jnp.zeros((4, 30), jnp.float32)
     with pytest.raises(ValueError, match="do not fit"):
-        layer_matmul_pallas(x, jnp.zeros((2, 30, 16), jnp.float32), 0, interpret=True)
+        layer_matmul_pallas(x, [jnp.zeros((2, 30, 16), jnp.float32)], 0, interpret=True)
     with pytest.raises(ValueError, match="unknown backend"):
         layer_matmul(x, jnp.zeros((2, 30, 16), jnp.float32), 0, backend="triton")
 
@@ -91,8 +117,8 @@ def test_linear_with_a_stacked_kernel(monkeypatch):
     stacked.kernel = nnx.Param(jnp.asarray(stack.reshape(2, 3, 32, 16), jnp.float32))
     x = jnp.asarray(np.random.default_rng(1).standard_normal((5, 32)), jnp.float32)
     for backend in ("reference", "interpret"):
-        monkeypatch.setattr(linear_module, "layer_matmul",
-                            functools.partial(layer_matmul, backend=backend))
+        monkeypatch.setattr(linear_module, "layer_matmuls",
+                            functools.partial(layer_matmuls, backend=backend))
         for flat in (0, 4, 5):
             out = jax.jit(lambda v, l: stacked(v, l))(x, flat)
             assert _rel(out, np.asarray(x, np.float64) @ stack[flat]) < 1e-6, (backend, flat)

@@ -1,4 +1,5 @@
-"""``x @ w[layer]`` with w stacked over layers ([L, K, N]).
+"""``x @ w[layer]`` with w stacked over layers ([L, K, N]); ``layer_matmuls`` for the
+projections of one x through several such weights (one launch for those read in place).
 
 Backends:
   "auto"      -> on sm90 / sm100, for at most ``tuning.LAYER_MATMUL`` "max_rows" rows
@@ -40,7 +41,22 @@ def resolve(backend: str, x, w, scale=None) -> str:
 def layer_matmul(x, w, layer, *, scale=None, backend: str = "auto"):
     """x [M, K] @ w[layer] for w [L, K, N] and a traced or static layer index; an FP8
     ``w`` (block_fp8) comes with its block scales [L, K/128, N/128]."""
-    chosen = resolve(backend, x, w, scale)
-    if chosen == "reference":
-        return layer_matmul_reference(x, w, layer, scale)
-    return layer_matmul_pallas(x, w, layer, scale, interpret=chosen == "interpret")
+    return layer_matmuls(x, (w,), layer, scales=(scale,), backend=backend)[0]
+
+
+def layer_matmuls(x, ws, layer, *, scales=None, backend: str = "auto"):
+    """(x @ w[layer] for each w in ``ws``), the projections of one x: the weights the
+    chosen backend reads in place share one launch, the others are sliced (reference).
+    ``scales``: per weight, an FP8 weight's block scales or None."""
+    scales = (None,) * len(ws) if scales is None else tuple(scales)
+    chosen = [resolve(backend, x, w, s) for w, s in zip(ws, scales, strict=True)]
+    fused = [j for j, c in enumerate(chosen) if c != "reference"]
+    out = [layer_matmul_reference(x, w, layer, s) if c == "reference" else None
+           for w, s, c in zip(ws, scales, chosen)]
+    if fused:
+        results = layer_matmul_pallas(x, [ws[j] for j in fused], layer,
+                                      [scales[j] for j in fused],
+                                      interpret=chosen[fused[0]] == "interpret")
+        for j, r in zip(fused, results):
+            out[j] = r
+    return tuple(out)

@@ -1,14 +1,21 @@
-"""Pallas (Triton-flavoured) ``x @ w[layer]`` for decode-size row counts.
+"""Pallas (Triton-flavoured) ``x @ w[layer]`` for decode-size row counts, for one weight
+or several read by the same rows in one launch.
 
 Why: the scanned model's dense weights are stacked over layers, and inside the layer scan
 XLA materialises each layer's slice before its GEMM (a copy of every dense weight on every
 step: 3.6 ms of a 24.8 ms 35B-A3B decode step on an H200, bench/RESULTS.md). At decode
-sizes the GEMM is a weight stream, so reading the layer in place is the whole gain.
+sizes the GEMM is a weight stream, so reading the layer in place is the whole gain. The
+projections of one x (GDN in_proj qkv / z, attention q / k / v, the router and the
+shared expert's gate / up) are each a few microseconds of bytes, so a launch apiece
+costs about as much as their bytes: they share one launch here.
 
-Grid (column tile, K split). A program holds all M rows (M a power of two from 16: the
-wrapper pads) and streams its [K / splits, bn] slab of ``w[layer]`` once, bk rows at a
-time; splits > 1 give enough programs for narrow outputs (N / bn < the SM count), their
-float32 partial sums are added by XLA afterwards.
+Grid (column tile, K split) over the weights' column tiles laid side by side, so column
+tile i writes columns [i bn, (i + 1) bn) of one concatenated output; each weight's tiles
+are a static range of i, and a program runs the branch of the weight its tile is in. A
+program holds all M rows (M a power of two from 16: the wrapper pads) and streams its
+[K / splits, bn] slab of ``w[layer]`` once, bk rows at a time; splits > 1 give enough
+programs for narrow outputs (column tiles < the SM count), their float32 partial sums
+are added by XLA afterwards.
 
 FP8 weights (block_fp8: e4m3 with 128 x 128 block scales) stream as they are, half the
 bytes; a tile lies in one scale block, so it is widened to x's dtype in registers (e4m3
@@ -27,24 +34,40 @@ from jax.experimental.pallas import triton as plt
 from ..block_fp8 import BLOCK, is_fp8, tile_fits
 
 
-def _kernel(layer_ref, x_ref, w_ref, *refs, bn, bk, k_split):
-    s_ref, o_ref = refs if len(refs) == 2 else (None, refs[0])
-    n0 = pl.program_id(0) * bn
-    k_base = pl.program_id(1) * k_split
+def _kernel(layer_ref, x_ref, *refs, bn, bk, k_split, first_tiles, scaled):
+    """``refs``: the weights, the scales of those ``scaled`` marks, then the output.
+    ``first_tiles[j]``: weight j's first column tile in the concatenated output."""
+    ws = refs[:len(scaled)]
+    scales = iter(refs[len(scaled):-1])
+    s_refs = [next(scales) if s else None for s in scaled]
+    o_ref = refs[-1]
+    tile, split = pl.program_id(0), pl.program_id(1)
+    k_base = split * k_split
     layer = layer_ref[0]
+    ends = first_tiles[1:] + (None,)
 
-    def step(j, acc):
-        k0 = pl.multiple_of(k_base + j * bk, bk)
-        xt = x_ref[:, pl.ds(k0, bk)]
-        wt = w_ref[layer, pl.ds(k0, bk), pl.ds(n0, bn)]
-        if s_ref is None:
-            return acc + jnp.dot(xt, wt, preferred_element_type=jnp.float32)
-        part = jnp.dot(xt, wt.astype(xt.dtype), preferred_element_type=jnp.float32)
-        return acc + part * s_ref[layer, k0 // BLOCK, n0 // BLOCK]
+    def run(w_ref, s_ref, first):
+        n0 = (tile - first) * bn
 
-    acc = lax.fori_loop(0, k_split // bk, step,
-                        jnp.zeros((x_ref.shape[0], bn), jnp.float32))
-    o_ref[pl.program_id(1), :, pl.ds(n0, bn)] = acc.astype(o_ref.dtype)
+        def step(j, acc):
+            k0 = pl.multiple_of(k_base + j * bk, bk)
+            xt = x_ref[:, pl.ds(k0, bk)]
+            wt = w_ref[layer, pl.ds(k0, bk), pl.ds(n0, bn)]
+            if s_ref is None:
+                return acc + jnp.dot(xt, wt, preferred_element_type=jnp.float32)
+            part = jnp.dot(xt, wt.astype(xt.dtype), preferred_element_type=jnp.float32)
+            return acc + part * s_ref[layer, k0 // BLOCK, n0 // BLOCK]
+
+        acc = lax.fori_loop(0, k_split // bk, step,
+                            jnp.zeros((x_ref.shape[0], bn), jnp.float32))
+        o_ref[split, :, pl.ds(tile * bn, bn)] = acc.astype(o_ref.dtype)
+
+    if len(ws) == 1:
+        run(ws[0], s_refs[0], 0)
+        return
+    for w_ref, s_ref, first, end in zip(ws, s_refs, first_tiles, ends):
+        inside = tile >= first if end is None else (tile >= first) & (tile < end)
+        pl.when(inside)(functools.partial(run, w_ref, s_ref, first))
 
 
 def tiles_fit(x, w, cfg, scale=None) -> bool:
@@ -58,36 +81,44 @@ def tiles_fit(x, w, cfg, scale=None) -> bool:
 
 def splits_for(n: int, k: int, cfg: dict) -> int:
     """K splits: the fewest (a power of two dividing K / bk) that give at least
-    cfg["min_programs"] programs."""
+    cfg["min_programs"] programs over ``n`` output columns."""
     splits = 1
     while (n // cfg["bn"]) * splits < cfg["min_programs"] and k % (2 * splits * cfg["bk"]) == 0:
         splits *= 2
     return splits
 
 
-def layer_matmul_pallas(x, w, layer, scale=None, *, interpret=False, config=None):
-    """x [M, K], w [L, K, N] -> x @ w[layer] in x's dtype, float32 accumulation; an FP8
-    ``w`` comes with its block scales [L, K/128, N/128]."""
+def layer_matmul_pallas(x, ws, layer, scales=None, *, interpret=False, config=None):
+    """x [M, K], ws: weights [L, K, N_j] -> (x @ w[layer] for each w) in x's dtype,
+    float32 accumulation, in one launch; ``scales``: per weight, an FP8 weight's block
+    scales [L, K/128, N_j/128] or None."""
     from ..tuning import layer_matmul_config
 
     cfg = config or layer_matmul_config()
-    if not tiles_fit(x, w, cfg, scale):
-        raise ValueError(f"layer matmul tiles {cfg['bk']} x {cfg['bn']} do not fit "
-                         f"x {x.shape} {x.dtype}, w {w.shape} {w.dtype}")
+    scales = (None,) * len(ws) if scales is None else tuple(scales)
+    for w, scale in zip(ws, scales, strict=True):
+        if w.shape[:2] != ws[0].shape[:2] or not tiles_fit(x, w, cfg, scale):
+            raise ValueError(f"layer matmul tiles {cfg['bk']} x {cfg['bn']} do not fit "
+                             f"x {x.shape} {x.dtype}, w {w.shape} {w.dtype}")
     m, k = x.shape
-    n = w.shape[2]
+    widths = [w.shape[2] for w in ws]
+    n = sum(widths)
     rows = max(16, 1 << (m - 1).bit_length())  # a Triton block is a power of two
     xp = jnp.pad(x, ((0, rows - m), (0, 0))) if rows != m else x
     splits = splits_for(n, k, cfg)
+    first_tiles = tuple(sum(widths[:j]) // cfg["bn"] for j in range(len(ws)))
     out = pl.pallas_call(
-        functools.partial(_kernel, bn=cfg["bn"], bk=cfg["bk"], k_split=k // splits),
+        functools.partial(_kernel, bn=cfg["bn"], bk=cfg["bk"], k_split=k // splits,
+                          first_tiles=first_tiles, scaled=tuple(s is not None for s in scales)),
         out_shape=jax.ShapeDtypeStruct((splits, rows, n),
                                        x.dtype if splits == 1 else jnp.float32),
         grid=(n // cfg["bn"], splits),
         compiler_params=plt.CompilerParams(num_warps=cfg["warps"], num_stages=cfg["stages"]),
         interpret=interpret,
         name="layer_matmul",
-    )(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), xp, w,
-      *(() if scale is None else (scale,)))
+    )(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), xp, *ws,
+      *(s for s in scales if s is not None))
     out = out[0] if splits == 1 else jnp.sum(out, axis=0).astype(x.dtype)
-    return out[:m] if rows != m else out
+    out = out[:m] if rows != m else out
+    bounds = [sum(widths[:j + 1]) for j in range(len(ws) - 1)]
+    return tuple(jnp.split(out, bounds, axis=1)) if bounds else (out,)

@@ -14,7 +14,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.attention import paged_attention, write_kv
-from qwen35_jax.layers.linear import Linear
+from qwen35_jax.layers.linear import Linear, project
 from qwen35_jax.layers.norms import RMSNorm
 from qwen35_jax.layers.rope import apply_partial_rope
 from qwen35_jax.sharding import head_axis, per_device
@@ -35,10 +35,11 @@ class GatedAttention(nnx.Module):
     def __call__(self, x, kv_cache, layer, meta):
         """x: [T, D] normed hidden; returns ([T, D], kv_cache with this step's K/V stored)."""
         t = x.shape[0]
-        qg = self.q_proj(x, layer).reshape(t, self.heads, 2 * self.head_dim)
+        qg, k, v = project(x, layer, self.q_proj, self.k_proj, self.v_proj)
+        qg = qg.reshape(t, self.heads, 2 * self.head_dim)
         q, gate = qg[..., :self.head_dim], qg[..., self.head_dim:]
-        k = self.k_proj(x, layer).reshape(t, self.kv_heads, self.head_dim)
-        v = self.v_proj(x, layer).reshape(t, self.kv_heads, self.head_dim)
+        k = k.reshape(t, self.kv_heads, self.head_dim)
+        v = v.reshape(t, self.kv_heads, self.head_dim)
         rope = dict(rotary_dim=self.rotary_dim, theta=self.theta)
         q = apply_partial_rope(self.q_norm(q), meta.positions, **rope)
         k = apply_partial_rope(self.k_norm(k), meta.positions, **rope)

@@ -25,7 +25,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels import causal_conv1d_prefill, causal_conv1d_update, gdn_decode, gdn_prefill
-from qwen35_jax.layers.linear import Linear
+from qwen35_jax.layers.linear import Linear, project
 from qwen35_jax.layers.norms import GatedRMSNorm
 from qwen35_jax.sharding import head_axis, per_device
 
@@ -52,7 +52,8 @@ class GatedDeltaNet(nnx.Module):
         """x: [T, D] normed hidden.  conv_pool [P, L, K-1, C] and ssm_pool [P, L, Hv, dk, dv]
         hold every GDN layer's state per slot; ``layer`` (traced) picks this one."""
         t = x.shape[0]
-        mixed = self.in_proj_qkv(x, layer)
+        mixed, z, b, a = project(x, layer, self.in_proj_qkv, self.in_proj_z, self.in_proj_b,
+                                 self.in_proj_a)
         w = self.conv1d[...]
         whole = (P(),) * 4
         if meta.is_decode:
@@ -78,9 +79,9 @@ class GatedDeltaNet(nnx.Module):
         q = mixed[:, :qk].reshape(t, self.hk, self.dk)
         k = mixed[:, qk:2 * qk].reshape(t, self.hk, self.dk)
         v = mixed[:, 2 * qk:].reshape(t, self.hv, self.dv)
-        z = self.in_proj_z(x, layer).reshape(t, self.hv, self.dv)
-        beta = jax.nn.sigmoid(self.in_proj_b(x, layer))
-        a = self.in_proj_a(x, layer).astype(jnp.float32)
+        z = z.reshape(t, self.hv, self.dv)
+        beta = jax.nn.sigmoid(b)
+        a = a.astype(jnp.float32)
         g = -jnp.exp(self.A_log[...]) * jax.nn.softplus(a + self.dt_bias[...])
         mesh = jax.sharding.get_abstract_mesh()
         split = head_axis(mesh, self.hv)

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from qwen35_jax.layers.linear import Linear
+from qwen35_jax.layers.linear import Linear, project
 
 
 class MLP(nnx.Module):
@@ -17,5 +17,9 @@ class MLP(nnx.Module):
 
     def __call__(self, x, layer=None):
         """`layer`: the flat layer index when the weights are stacked (``Linear``)."""
-        h = jax.nn.silu(self.gate_proj(x, layer)) * self.up_proj(x, layer)
-        return self.down_proj(h, layer)
+        return self.down(*project(x, layer, self.gate_proj, self.up_proj), layer)
+
+    def down(self, gate, up, layer=None):
+        """The block from its gate and up projections (a caller that projects x through
+        more Linears at once, the MoE's shared expert, starts here)."""
+        return self.down_proj(jax.nn.silu(gate) * up, layer)

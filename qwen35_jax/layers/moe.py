@@ -28,7 +28,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.grouped_matmul import grouped_matmul
-from qwen35_jax.layers.linear import Linear
+from qwen35_jax.layers.linear import Linear, project
 from qwen35_jax.layers.mlp import MLP
 from qwen35_jax.sharding import DATA, axis_size, expert_axes
 
@@ -46,9 +46,9 @@ class MoE(nnx.Module):
         self.shared_expert = MLP(hidden, shared_inter, rngs=rngs, dtype=dtype)
         self.shared_expert_gate = Linear(hidden, 1, rngs=rngs, dtype=dtype)
 
-    def route(self, x, layer=None):
-        """Top-k experts and their renormalised weights per token: ([T, k] int32, [T, k])."""
-        logits = self.router(x, layer)
+    def route(self, logits):
+        """Top-k experts and their renormalised weights per token, from the router's
+        logits: ([T, k] int32, [T, k])."""
         probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
         weights, experts = jax.lax.top_k(probs, self.top_k)
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
@@ -57,7 +57,10 @@ class MoE(nnx.Module):
     def __call__(self, x, layer=None):
         """`layer`: the flat index of this layer in the leading (stacked) dimensions of
         the expert weights; needed only when they are stacked."""
-        experts, weights = self.route(x, layer)
+        se = self.shared_expert
+        logits, se_gate, se_up, se_scale = project(x, layer, self.router, se.gate_proj,
+                                                   se.up_proj, self.shared_expert_gate)
+        experts, weights = self.route(logits)
         w_gate_up, w_down = self.experts_gate_up[...], self.experts_down[...]
         if w_down.ndim > 3 and layer is None:
             raise ValueError(f"expert weights stacked as {w_down.shape} need the layer index")
@@ -73,8 +76,7 @@ class MoE(nnx.Module):
         else:
             routed = _local_experts(x, experts, weights, w_gate_up, w_down, scales, 0,
                                     expert_layer)
-        shared = (jax.nn.sigmoid(self.shared_expert_gate(x, layer))
-                  * self.shared_expert(x, layer))
+        shared = jax.nn.sigmoid(se_scale) * se.down(se_gate, se_up, layer)
         return (routed + shared.astype(jnp.float32)).astype(x.dtype)
 
 
