@@ -36,9 +36,9 @@ LAYERS = 30
 SHAPES = {"in_proj_qkv": (2048, 8192), "in_proj_z": (2048, 4096), "out_proj": (4096, 2048),
           "q_proj": (2048, 8192), "shared_gate": (2048, 512), "shared_down": (512, 2048)}
 ROWS = (16, 64, 128, 256)
-# The 35B-A3B projections of one x (qwen35_jax.layers: ``project``), K -> each N; the GDN's
-# b / a (32 columns) and the shared-expert gate (1) fit no tile and are sliced beside them.
-GROUPS = {"gdn qkv+z": (2048, (8192, 4096)), "attn q+k+v": (2048, (8192, 512, 512)),
+# The 35B-A3B projections of one x (qwen35_jax.layers: ``project``), K -> each N; the
+# shared-expert gate (1 column) fits no tile and is sliced beside them.
+GROUPS = {"gdn qkv+z+b+a": (2048, (8192, 4096, 32, 32)), "attn q+k+v": (2048, (8192, 512, 512)),
           "router+shared gate+up": (2048, (256, 512, 512))}
 SWEEP = [dict(bn=bn, bk=bk, stages=st, warps=w, min_programs=p, max_rows=256)
          for bn, bk, st, w, p in ((64, 64, 3, 4, 132), (128, 64, 3, 4, 132), (64, 128, 3, 4, 132),

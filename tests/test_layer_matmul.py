@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pallas_kernels.layer_matmul import layer_matmul, layer_matmul_pallas, layer_matmuls, resolve
-from pallas_kernels.layer_matmul.pallas_triton import splits_for
+from pallas_kernels.layer_matmul.pallas_triton import splits_for, tiles_fit
 from pallas_kernels.tuning import layer_matmul_config
 from qwen35_jax.layers import linear as linear_module
 from qwen35_jax.layers.linear import Linear
@@ -44,9 +44,9 @@ def test_kernel_reads_each_layer_of_the_stack(m, k, n, dtype, bound):
 
 def test_k_splits_give_enough_programs():
     cfg = layer_matmul_config()  # CPU: 16-wide tiles, at least 8 programs
-    assert splits_for(16, 64, cfg) == 4          # 1 column tile -> 4 splits of 16
-    assert splits_for(16, 32, cfg) == 2          # K allows no more
-    assert splits_for(256, 64, cfg) == 1         # 16 column tiles already
+    assert splits_for(1, 64, cfg) == 4           # 1 column tile -> 4 splits of 16
+    assert splits_for(1, 32, cfg) == 2           # K allows no more
+    assert splits_for(16, 64, cfg) == 1          # 16 column tiles already
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((8, 64)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((2, 64, 16)), jnp.float32)
@@ -78,6 +78,21 @@ def test_projections_of_one_x_share_a_launch(m, k, monkeypatch):
         for out, w in zip(outs, ws):
             ref = np.asarray(x, np.float64) @ np.asarray(w[layer], np.float64)
             assert _rel(out, ref) < 1e-6, (layer, w.shape)
+
+
+def test_outputs_narrower_than_a_tile_take_their_own_width():
+    """With 32-wide tiles, a 16-wide output (a power of two below the tile: the GDN's
+    b / a projections beside qkv / z) is one tile of its own width in the shared launch;
+    24 (no power of two) and 8 (below 16) fit no tile."""
+    cfg = dict(bn=32, bk=16, warps=4, stages=2, min_programs=4, max_rows=256)
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((5, 32)), jnp.float32)
+    ws = [jnp.asarray(rng.standard_normal((2, 32, n)), jnp.float32) for n in (64, 16, 16)]
+    outs = layer_matmul_pallas(x, ws, 1, interpret=True, config=cfg)
+    for out, w in zip(outs, ws):
+        assert _rel(out, np.asarray(x, np.float64) @ np.asarray(w[1], np.float64)) < 1e-6
+    for n in (24, 8):
+        assert not tiles_fit(x, jnp.zeros((2, 32, n), jnp.float32), cfg)
 
 
 def test_tiles_that_do_not_fit_are_refused():

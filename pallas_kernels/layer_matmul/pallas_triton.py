@@ -9,9 +9,10 @@ projections of one x (GDN in_proj qkv / z, attention q / k / v, the router and t
 shared expert's gate / up) are each a few microseconds of bytes, so a launch apiece
 costs about as much as their bytes: they share one launch here.
 
-Grid (column tile, K split) over the weights' column tiles laid side by side, so column
-tile i writes columns [i bn, (i + 1) bn) of one concatenated output; each weight's tiles
-are a static range of i, and a program runs the branch of the weight its tile is in. A
+Grid (column tile, K split) over the weights' column tiles laid side by side, each
+writing its columns of one concatenated output; each weight's tiles are a static range
+of the tile index, and a program runs the branch of the weight its tile is in. A weight
+narrower than bn takes a tile of its own width (``tile_width``). A
 program holds all M rows (M a power of two from 16: the wrapper pads) and streams its
 [K / splits, bn] slab of ``w[layer]`` once, bk rows at a time; splits > 1 give enough
 programs for narrow outputs (column tiles < the SM count), their float32 partial sums
@@ -34,9 +35,9 @@ from jax.experimental.pallas import triton as plt
 from ..block_fp8 import BLOCK, is_fp8, tile_fits
 
 
-def _kernel(layer_ref, x_ref, *refs, bn, bk, k_split, first_tiles, scaled):
+def _kernel(layer_ref, x_ref, *refs, bk, k_split, parts, scaled):
     """``refs``: the weights, the scales of those ``scaled`` marks, then the output.
-    ``first_tiles[j]``: weight j's first column tile in the concatenated output."""
+    ``parts[j]``: weight j's (first column tile, tile width, first output column)."""
     ws = refs[:len(scaled)]
     scales = iter(refs[len(scaled):-1])
     s_refs = [next(scales) if s else None for s in scaled]
@@ -44,9 +45,8 @@ def _kernel(layer_ref, x_ref, *refs, bn, bk, k_split, first_tiles, scaled):
     tile, split = pl.program_id(0), pl.program_id(1)
     k_base = split * k_split
     layer = layer_ref[0]
-    ends = first_tiles[1:] + (None,)
 
-    def run(w_ref, s_ref, first):
+    def run(w_ref, s_ref, first, bn, col):
         n0 = (tile - first) * bn
 
         def step(j, acc):
@@ -60,30 +60,44 @@ def _kernel(layer_ref, x_ref, *refs, bn, bk, k_split, first_tiles, scaled):
 
         acc = lax.fori_loop(0, k_split // bk, step,
                             jnp.zeros((x_ref.shape[0], bn), jnp.float32))
-        o_ref[split, :, pl.ds(tile * bn, bn)] = acc.astype(o_ref.dtype)
+        o_ref[split, :, pl.ds(col + n0, bn)] = acc.astype(o_ref.dtype)
 
     if len(ws) == 1:
-        run(ws[0], s_refs[0], 0)
+        run(ws[0], s_refs[0], *parts[0])
         return
-    for w_ref, s_ref, first, end in zip(ws, s_refs, first_tiles, ends):
-        inside = tile >= first if end is None else (tile >= first) & (tile < end)
-        pl.when(inside)(functools.partial(run, w_ref, s_ref, first))
+    ends = [first for first, _, _ in parts[1:]] + [None]
+    for w_ref, s_ref, part, end in zip(ws, s_refs, parts, ends):
+        inside = tile >= part[0] if end is None else (tile >= part[0]) & (tile < end)
+        pl.when(inside)(functools.partial(run, w_ref, s_ref, *part))
+
+
+def tile_width(n: int, bn: int) -> int | None:
+    """The column tile of an output N wide: bn where N is whole bn tiles, else N itself
+    where it is a power of two from 16 below bn (a Triton block is a power of two; the
+    GDN's 32-wide b / a projections), else None (no tile fits)."""
+    if n % bn == 0:
+        return bn
+    return n if 16 <= n < bn and n & (n - 1) == 0 else None
 
 
 def tiles_fit(x, w, cfg, scale=None) -> bool:
-    """The kernel takes K and N in whole bk / bn tiles and one dtype for x and w, or an
-    FP8 w with its block scales whose tiles each lie in one scale block."""
+    """The kernel takes K in whole bk tiles, N in whole tiles (``tile_width``) and one
+    dtype for x and w, or an FP8 w with its block scales whose tiles each lie in one
+    scale block."""
     _, k, n = w.shape
+    bn = tile_width(n, cfg["bn"])
+    if bn is None:
+        return False
     if scale is not None:
-        return is_fp8(w) and tile_fits(cfg["bk"], cfg["bn"], k, n, n)
-    return x.dtype == w.dtype and k % cfg["bk"] == 0 and n % cfg["bn"] == 0
+        return is_fp8(w) and tile_fits(cfg["bk"], bn, k, n, n)
+    return x.dtype == w.dtype and k % cfg["bk"] == 0
 
 
-def splits_for(n: int, k: int, cfg: dict) -> int:
+def splits_for(tiles: int, k: int, cfg: dict) -> int:
     """K splits: the fewest (a power of two dividing K / bk) that give at least
-    cfg["min_programs"] programs over ``n`` output columns."""
+    cfg["min_programs"] programs over ``tiles`` column tiles."""
     splits = 1
-    while (n // cfg["bn"]) * splits < cfg["min_programs"] and k % (2 * splits * cfg["bk"]) == 0:
+    while tiles * splits < cfg["min_programs"] and k % (2 * splits * cfg["bk"]) == 0:
         splits *= 2
     return splits
 
@@ -102,17 +116,19 @@ def layer_matmul_pallas(x, ws, layer, scales=None, *, interpret=False, config=No
                              f"x {x.shape} {x.dtype}, w {w.shape} {w.dtype}")
     m, k = x.shape
     widths = [w.shape[2] for w in ws]
+    bns = [tile_width(n, cfg["bn"]) for n in widths]
+    tiles = [n // bn for n, bn in zip(widths, bns)]
+    parts = tuple((sum(tiles[:j]), bns[j], sum(widths[:j])) for j in range(len(ws)))
     n = sum(widths)
     rows = max(16, 1 << (m - 1).bit_length())  # a Triton block is a power of two
     xp = jnp.pad(x, ((0, rows - m), (0, 0))) if rows != m else x
-    splits = splits_for(n, k, cfg)
-    first_tiles = tuple(sum(widths[:j]) // cfg["bn"] for j in range(len(ws)))
+    splits = splits_for(sum(tiles), k, cfg)
     out = pl.pallas_call(
-        functools.partial(_kernel, bn=cfg["bn"], bk=cfg["bk"], k_split=k // splits,
-                          first_tiles=first_tiles, scaled=tuple(s is not None for s in scales)),
+        functools.partial(_kernel, bk=cfg["bk"], k_split=k // splits, parts=parts,
+                          scaled=tuple(s is not None for s in scales)),
         out_shape=jax.ShapeDtypeStruct((splits, rows, n),
                                        x.dtype if splits == 1 else jnp.float32),
-        grid=(n // cfg["bn"], splits),
+        grid=(sum(tiles), splits),
         compiler_params=plt.CompilerParams(num_warps=cfg["warps"], num_stages=cfg["stages"]),
         interpret=interpret,
         name="layer_matmul",
