@@ -5,18 +5,18 @@ Why: the scanned model's dense weights are stacked over layers, and inside the l
 XLA materialises each layer's slice before its GEMM (a copy of every dense weight on every
 step: 3.6 ms of a 24.8 ms 35B-A3B decode step on an H200, bench/RESULTS.md). At decode
 sizes the GEMM is a weight stream, so reading the layer in place is the whole gain. The
-projections of one x (GDN in_proj qkv / z, attention q / k / v, the router and the
-shared expert's gate / up) are each a few microseconds of bytes, so a launch apiece
+projections of one x (GDN in_proj qkv / z / b / a, attention q / k / v, the router and
+the shared expert's gate / up) are each a few microseconds of bytes, so a launch apiece
 costs about as much as their bytes: they share one launch here.
 
 Grid (column tile, K split) over the weights' column tiles laid side by side, each
 writing its columns of one concatenated output; each weight's tiles are a static range
 of the tile index, and a program runs the branch of the weight its tile is in. A weight
-narrower than bn takes a tile of its own width (``tile_width``). A
-program holds all M rows (M a power of two from 16: the wrapper pads) and streams its
-[K / splits, bn] slab of ``w[layer]`` once, bk rows at a time; splits > 1 give enough
-programs for narrow outputs (column tiles < the SM count), their float32 partial sums
-are added by XLA afterwards.
+narrower than bn takes a tile of its own width (``tile_width``). A program holds all M
+rows (M a power of two from 16: the wrapper pads) and streams its [K / splits, width]
+slab of ``w[layer]`` once, bk rows at a time; splits > 1 give enough programs for
+narrow outputs (column tiles < the SM count), their float32 partial sums are added by
+XLA afterwards.
 
 FP8 weights (block_fp8: e4m3 with 128 x 128 block scales) stream as they are, half the
 bytes; a tile lies in one scale block, so it is widened to x's dtype in registers (e4m3
@@ -62,7 +62,7 @@ def _kernel(layer_ref, x_ref, *refs, bk, k_split, parts, scaled):
                             jnp.zeros((x_ref.shape[0], bn), jnp.float32))
         o_ref[split, :, pl.ds(col + n0, bn)] = acc.astype(o_ref.dtype)
 
-    if len(ws) == 1:
+    if len(ws) == 1:  # one weight: every program's, no branch
         run(ws[0], s_refs[0], *parts[0])
         return
     ends = [first for first, _, _ in parts[1:]] + [None]

@@ -58,8 +58,8 @@ class MoE(nnx.Module):
         """`layer`: the flat index of this layer in the leading (stacked) dimensions of
         the expert weights; needed only when they are stacked."""
         se = self.shared_expert
-        logits, se_gate, se_up, se_scale = project(x, layer, self.router, se.gate_proj,
-                                                   se.up_proj, self.shared_expert_gate)
+        logits, gate, up, shared_logit = project(x, layer, self.router, se.gate_proj,
+                                                 se.up_proj, self.shared_expert_gate)
         experts, weights = self.route(logits)
         w_gate_up, w_down = self.experts_gate_up[...], self.experts_down[...]
         if w_down.ndim > 3 and layer is None:
@@ -76,7 +76,7 @@ class MoE(nnx.Module):
         else:
             routed = _local_experts(x, experts, weights, w_gate_up, w_down, scales, 0,
                                     expert_layer)
-        shared = jax.nn.sigmoid(se_scale) * se.down(se_gate, se_up, layer)
+        shared = jax.nn.sigmoid(shared_logit) * se.down(gate, up, layer)
         return (routed + shared.astype(jnp.float32)).astype(x.dtype)
 
 
