@@ -18,6 +18,7 @@ from qwen35_jax import builtin
 from qwen35_jax.train import problems
 from serving import LLM, SamplingParams
 from serving.engine.config import EngineConfig, speculative_tokens
+from serving.engine.drafter import DraftSource, head_inputs, verdict
 
 LIMITS = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256)
 
@@ -92,6 +93,33 @@ def test_preemption_and_aborts_keep_outputs_exact(prompts, reference):
     eng.fence.wait_all()
     assert eng.blocks.num_free == eng.blocks.num_blocks  # free or cached, none held
     assert eng.slots.num_free == eng.slots.num_slots
+
+
+def test_the_draft_program_reads_what_the_step_kept():
+    """The verdict and the draft program's inputs, derived on the device from a step of
+    three sequences (k = 2): a prompt's last chunk, which samples; a verify step whose
+    first draft is accepted and second rejected; a chunk that samples nothing. Each
+    position whose next token is known gets that token: the next fed one, the drawn
+    ones after the last fed, or the host's after a chunk that samples nothing."""
+    k, num_slots = 2, 8
+    fed = np.array([10, 11, 12, 20, 21, 22, 30, 31], np.int32)
+    drawn = np.array([50, 0, 0, 21, 99, 77, 0, 0, 0], np.int32)  # k + 1 rows a sequence
+    verify_index = np.array([-1, -1, -1, 4, 5, -1, -1, -1, -1], np.int32)
+    drafted = np.where(verify_index >= 0, fed[verify_index], -1)
+    blocks = np.array([[1], [2], [3]], np.int32)  # one block of 16 positions each
+    x = DraftSource(cu_seqlens=np.array([0, 3, 6, 8], np.int32),
+                    start_pos=np.array([0, 7, 0], np.int32), slots=np.array([5, 6, 7], np.int32),
+                    block_tables=blocks, verify_index=verify_index,
+                    after=np.array([-1, -1, 32], np.int32))
+    # 16 positions less the position of the last fed token that is no draft; 0: no sample
+    draft_room = np.array([16 - 2, 16 - 7, 0], np.int32)
+    accepted, num_drafts = verdict(drawn, drafted, draft_room, k)
+    assert accepted.tolist() == [0, 1, 0] and num_drafts.tolist() == [2, 2, 0]
+    d = head_inputs(x, fed, drawn, accepted, num_drafts, k, num_slots)
+    assert d.cu_seqlens.tolist() == [0, 3, 5, 7]
+    assert d.rows.tolist() == [0, 1, 2, 3, 4, 6, 7, 0]
+    assert d.tokens.tolist() == [11, 12, 50, 21, 99, 31, 32, 0]
+    assert d.num_drafts.tolist() == [2, 2, 0] and d.slot.tolist() == [5, 6, num_slots]
 
 
 def test_kept_tokens_follow_the_target_distribution():

@@ -3,15 +3,23 @@ of a verify step (which drafts are kept, what the next draft program runs over).
 
 The MTP head (``qwen35_jax.mtp``) at position ``t`` reads the target's normalised hidden
 state after token ``t`` and the embedding of token ``t+1``, writes its own KV at ``t``
-and predicts token ``t+2``. After a step, once the host knows which tokens it kept,
+and predicts token ``t+2``. Right after each step's sampler, with no wait for the host,
 the draft program runs the head over every position of the step whose next token is
 now known (a prompt chunk's positions; a verify step's accepted positions, the last
-one with the token sampled after it), reading the step's hidden states. From each
-decoding sequence's last such position it drafts k tokens: the first from the head's
-output there, each further one from the head at the next position, fed the previous
-draft and the head's own output in place of the target's hidden state (as vLLM's MTP
-proposer does). Drafts are greedy (argmax), and land in a per-slot buffer on the
-device that the next verify step reads its tokens from.
+one with the token sampled after it), reading the step's hidden states. What the step
+kept is decided on the device: the sampler program counts each sequence's accepted
+drafts and the drafts it gets next (`verdict`), the draft program derives its inputs
+from those counts (`head_inputs`), and the host reads the same counts with the tokens.
+So the host processes the step and builds the next while the draft program runs.
+From each decoding sequence's last such position it drafts k tokens: the first from
+the head's output there, each further one from the head at the next position, fed the
+previous draft and the head's own output in place of the target's hidden state (as
+vLLM's MTP proposer does). Drafts are greedy (argmax), and land in a per-slot buffer on
+the device that the next verify step reads its tokens from.
+
+The head also runs over sequences the host then finds finished (a stop token among the
+accepted ones, or a stale output): it writes only inside their blocks, which the step
+fence keeps theirs until the draft program has completed, and their drafts are never read.
 
 The head's KV is the layer after the model's in the hybrid cache's KV pool
 (``qwen35_jax.cache``): it lives in the request's blocks, so it is cached with a prefix
@@ -26,6 +34,7 @@ from __future__ import annotations
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +43,6 @@ from flax import nnx
 
 from qwen35_jax.batch import Batch, StepMeta, step_meta
 from qwen35_jax.sharding import param_shardings, replicated
-from serving.engine.request import Status
 
 
 @jax.tree_util.register_dataclass
@@ -50,9 +58,64 @@ class DraftInputs:
     slot: np.ndarray  # i32 [N]: row of the draft buffer (num_slots: nowhere)
 
 
-def _draft(graphdef, treedef, mtp_graphdef, mtp_treedef, num_blocks, block_size, k,
-           leaves, mtp_leaves, kv, drafts, hidden, x: DraftInputs):
+class DraftSource(NamedTuple):
+    """What the draft program reads of a step's inputs (``runner.StepInputs``)."""
+    cu_seqlens: np.ndarray
+    start_pos: np.ndarray
+    slots: np.ndarray
+    block_tables: np.ndarray
+    verify_index: np.ndarray
+    after: np.ndarray
+
+    @classmethod
+    def of(cls, x) -> "DraftSource":
+        return cls(*(getattr(x, f) for f in cls._fields))
+
+
+def verdict(drawn, drafted, draft_room, k: int):
+    """(accepted, num_drafts), i32 [N] each: the drafts of each sequence the step keeps, the
+    leading ones equal to the token drawn before each (serving/engine/engine.py says why
+    that keeps the target distribution), and the drafts it gets next, as many as its blocks
+    hold after its last kept position, at most k. `drawn` [N (k + 1)]: the step's tokens,
+    k + 1 rows a sequence; `drafted` [N (k + 1)]: the draft each row verifies (-1: none);
+    `draft_room` [N]: positions the sequence's blocks hold from its last fed token that is
+    no draft (0: it gets no drafts)."""
+    n = draft_room.shape[0]
+    match = (drawn == drafted).reshape(n, k + 1)[:, :k].astype(jnp.int32)
+    accepted = jnp.sum(jnp.cumprod(match, axis=1), axis=1)
+    return accepted, jnp.clip(jnp.minimum(k, draft_room - accepted), 0)
+
+
+def head_inputs(x: DraftSource, fed, drawn, accepted, num_drafts, k: int, num_slots: int
+                ) -> DraftInputs:
+    """The draft program's inputs, on the device, from the step's inputs `x`, its fed
+    tokens [T], drawn tokens and `verdict`: each
+    sequence's positions whose next token is known (its fed tokens that are no drafts,
+    then the accepted ones), the token after each (the next fed one, then the drawn ones;
+    after a chunk that samples nothing, the host's `x.after`), and drafts where
+    `num_drafts` says."""
+    n, t = x.start_pos.shape[0], fed.shape[0]
+    lens = x.cu_seqlens[1:] - x.cu_seqlens[:-1]
+    own = lens - jnp.sum(x.verify_index.reshape(n, k + 1) >= 0, axis=1)  # fed, not drafts
+    cu = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(own + accepted)]).astype(jnp.int32)
+    p = jnp.arange(t, dtype=jnp.int32)
+    i = jnp.clip(jnp.searchsorted(cu, p, side="right") - 1, 0, n - 1)
+    j = p - cu[i]  # position in the sequence's chunk
+    row = x.cu_seqlens[i] + j
+    drawn_j = drawn[i * (k + 1) + jnp.clip(j - own[i] + 1, 0, k)]
+    token = jnp.where(j < own[i] - 1, fed[jnp.minimum(row + 1, t - 1)],
+                      jnp.where(x.after[i] >= 0, x.after[i], drawn_j))
+    valid = p < cu[n]
+    return DraftInputs(rows=jnp.where(valid, row, 0), tokens=jnp.where(valid, token, 0),
+                       cu_seqlens=cu, start_pos=x.start_pos, block_tables=x.block_tables,
+                       num_drafts=num_drafts,
+                       slot=jnp.where(num_drafts > 0, x.slots, num_slots).astype(jnp.int32))
+
+
+def _draft(graphdef, treedef, mtp_graphdef, mtp_treedef, num_blocks, block_size, k, num_slots,
+           leaves, mtp_leaves, kv, drafts, hidden, fed, drawn, accepted, num_drafts, step):
     """(kv, drafts): the head's KV written at the step's known positions, the drafts."""
+    x = head_inputs(step, fed, drawn, accepted, num_drafts, k, num_slots)
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
     mtp = nnx.merge(mtp_graphdef, jax.tree.unflatten(mtp_treedef, mtp_leaves))
     n = x.start_pos.shape[0]
@@ -102,8 +165,8 @@ def _decode_meta(positions, valid, block_tables, num_blocks, block_size) -> Step
 class Drafter:
     """The MTP head and the per-slot buffer of drafts; compiles one draft program per
     target bucket, which updates the cache's KV pool in place (donated). On the host it
-    decides which drafts a verify step keeps (`accept`), builds the next draft program's
-    inputs (`inputs`) and counts as vLLM's ``vllm:spec_decode_*`` metrics do."""
+    applies what a verify step kept (`accept`) and counts as vLLM's
+    ``vllm:spec_decode_*`` metrics do."""
 
     def __init__(self, model, mtp, *, k: int, num_blocks: int, block_size: int,
                  num_slots: int, kv_sharding=None):
@@ -124,12 +187,13 @@ class Drafter:
         if self.mesh is not None:
             jit_s = dict(in_shardings=([a.sharding for a in self._leaves],
                                        [a.sharding for a in self._mtp_leaves],
-                                       kv_sharding, rep, rep, rep),
+                                       kv_sharding, rep, rep, rep, rep, rep, rep, rep),
                          out_shardings=(kv_sharding, rep))
-        self.k, self.num_slots = k, num_slots
+        self.k, self.num_slots, self.block_size = k, num_slots, block_size
         self.drafts = jnp.zeros((num_slots, k), jnp.int32, device=rep)
         self._fn = jax.jit(partial(_draft, graphdef, treedef, mtp_graphdef, mtp_treedef,
-                                   num_blocks, block_size, k), donate_argnums=(2, 3), **jit_s)
+                                   num_blocks, block_size, k, num_slots),
+                           donate_argnums=(2, 3), **jit_s)
         self._programs = {}
         # verified draft runs, their drafts, the accepted ones, those accepted at each position
         self._counts = {"spec_decode_num_drafts": 0, "spec_decode_num_draft_tokens": 0,
@@ -141,81 +205,51 @@ class Drafter:
         return {**self._counts,
                 "spec_decode_num_accepted_tokens_per_pos": list(self._accepted_per_position)}
 
-    def accept(self, req, s, drawn, drafts, verify_row) -> int:
-        """The drafts of scheduled sequence `s` kept: the leading ones that equal the token
-        drawn before each (serving/engine/engine.py says why that keeps the target
-        distribution). Rewinds `req` to the state after them; `verify_row(slot, r)` is the
-        state row after the (r + 1)-th token the verify step fed."""
-        n = 0
-        while n < s.num_drafts and drawn[n] == drafts[n]:
+    def accept(self, req, s, accepted: int, verify_row) -> None:
+        """Apply the `verdict` of scheduled sequence `s` to `req`: the state after its
+        `accepted` drafts; `verify_row(slot, r)` is the state row after the (r + 1)-th
+        token the verify step fed."""
+        for n in range(accepted):
             self._accepted_per_position[n] += 1
-            n += 1
-        req.num_computed_tokens = s.start + 1 + n
-        req.verify_state = verify_row(req.slot, n) if n < s.num_drafts else None
+        req.num_computed_tokens = s.start + 1 + accepted
+        req.verify_state = verify_row(req.slot, accepted) if accepted < s.num_drafts else None
         c = self._counts
         c["spec_decode_num_drafts"] += 1
         c["spec_decode_num_draft_tokens"] += s.num_drafts
-        c["spec_decode_num_accepted_tokens"] += n
-        return n
+        c["spec_decode_num_accepted_tokens"] += accepted
 
-    def inputs(self, sched, x, accepted: list[int], live: list[bool], block_size: int
-               ) -> DraftInputs | None:
-        """The draft program's inputs after step `sched` (inputs `x`, `accepted` drafts a
-        sequence): the step's positions whose next token is now known, for its `live`
-        sequences (requests still running, and held ones it finished: a prefill worker's
-        drafts after the first token); those whose step reached their last known token get
-        drafts (as many as their blocks hold), and each request's `num_drafts` is set to
-        what it gets. None if no position is known."""
-        d = self.empty(len(x.tokens), len(x.start_pos), x.block_tables.shape[1])
-        pos = 0
-        for i, s in enumerate(sched.seqs):
-            req = s.request
-            d.cu_seqlens[i + 1] = pos
-            if not live[i] or (not req.is_finished and req.status is not Status.RUNNING):
-                continue
-            fed = s.num_tokens - s.num_drafts + accepted[i]
-            m = min(fed, req.num_known_tokens - 1 - s.start)
-            d.rows[pos:pos + m] = x.cu_seqlens[i] + np.arange(m)
-            d.tokens[pos:pos + m] = req.token_slice(s.start + 1, s.start + 1 + m)
-            pos += m
-            d.cu_seqlens[i + 1] = pos
-            d.start_pos[i] = s.start
-            d.block_tables[i] = x.block_tables[i]
-            req.num_drafts = 0
-            if s.sample and m > 0:
-                last = s.start + m - 1  # the head's last position: drafts go after it
-                req.num_drafts = min(self.k, len(req.block_ids) * block_size - last)
-                d.num_drafts[i] = req.num_drafts
-                d.slot[i] = req.slot
-        d.cu_seqlens[len(sched.seqs) + 1:] = pos
-        return d if pos else None
-
-    def compile(self, t: int, n: int, max_blocks: int, kv, hidden) -> None:
-        """Compile the program of bucket (T, N) for a KV pool like `kv` and hidden states
-        like `hidden`."""
-        x = self.empty(t, n, max_blocks)
+    def compile(self, kv, hidden, step) -> None:
+        """Compile the program of the bucket of `step` (``runner.StepInputs``) for a KV
+        pool like `kv` and hidden states like `hidden`."""
+        args = self._args(kv, hidden, step)
         with jax.set_mesh(self.mesh) if self.mesh is not None else nullcontext():
-            lowered = self._fn.lower(self._leaves, self._mtp_leaves, kv, self.drafts, hidden, x)
-        self._programs[t, n] = lowered.compile()
-
-    def empty(self, t: int, n: int, max_blocks: int) -> DraftInputs:
-        """All padding: no head token, no draft."""
-        return DraftInputs(rows=np.zeros(t, np.int32), tokens=np.zeros(t, np.int32),
-                           cu_seqlens=np.zeros(n + 1, np.int32), start_pos=np.zeros(n, np.int32),
-                           block_tables=np.zeros((n, max_blocks), np.int32),
-                           num_drafts=np.zeros(n, np.int32),
-                           slot=np.full(n, self.num_slots, np.int32))
+            lowered = self._fn.lower(*args)
+        self._programs[_key(step)] = lowered.compile()
 
     def programs(self) -> list:
         """The compiled draft programs (one a target bucket)."""
         return list(self._programs.values())
 
-    def run(self, kv, hidden, x: DraftInputs):
-        """Dispatch the draft program on the KV pool `kv` (donated); returns the pool
+    def run(self, kv, hidden, fed, sampled, step):
+        """Dispatch the draft program of a step (inputs `step`, fed tokens `fed`, sampler
+        result `sampled` with its verdict) on the KV pool `kv` (donated); returns the pool
         and the draft buffer (device arrays) without waiting."""
-        key = (len(x.rows), len(x.start_pos))
+        key = _key(step)
         if key not in self._programs:
-            self.compile(*key, x.block_tables.shape[1], kv, hidden)
-        kv, self.drafts = self._programs[key](self._leaves, self._mtp_leaves, kv,
-                                              self.drafts, hidden, x)
+            self.compile(kv, hidden, step)
+        kv, self.drafts = self._programs[key](*self._args(kv, hidden, step, fed, sampled))
         return kv, self.drafts
+
+    def _args(self, kv, hidden, step, fed=None, sampled=None) -> tuple:
+        if sampled is None:  # shapes only, to compile
+            t, n, rows = len(step.tokens), len(step.start_pos), len(step.logits_indices)
+            fed, drawn = np.zeros(t, np.int32), np.zeros(rows, np.int32)
+            accepted = num_drafts = np.zeros(n, np.int32)
+        else:
+            drawn, accepted, num_drafts = sampled.token, sampled.accepted, sampled.num_drafts
+        return (self._leaves, self._mtp_leaves, kv, self.drafts, hidden, fed, drawn, accepted,
+                num_drafts, DraftSource.of(step))
+
+
+def _key(step) -> tuple[int, int]:
+    return len(step.tokens), len(step.start_pos)

@@ -23,11 +23,12 @@ Race freedom, by construction:
 Stale outputs (a request finished, aborted or preempted while a step holding
 it was in flight) are recognised by the request's epoch and dropped.
 
-Speculative decoding (`num_speculative_tokens` k, drafter.py) runs each step to its end
-before the next is scheduled: how many drafts a verify step accepts decides where the
-next step starts. A step is then: schedule (a decoding request feeds its last token and
-its drafts), dispatch the forward pass and the sampler, read the tokens, accept, and
-dispatch the draft program over what was accepted. A row's token is drawn as without
+Speculative decoding (`num_speculative_tokens` k, drafter.py) processes each step before
+the next is scheduled: how many drafts a verify step accepts decides where the next
+step starts. A step is then: schedule (a decoding request feeds its last token and its
+drafts), dispatch the forward pass, the sampler (which also decides what is accepted)
+and the draft program over what was accepted, then read the tokens and the counts and
+apply them while the draft program runs. A row's token is drawn as without
 drafts (the sampler's draw is a function of the request's seed and the position), and
 the drafts are accepted while each equals the token drawn before it; the first token
 that differs from its draft ends the run and is kept. For greedy drafts this is
@@ -197,6 +198,8 @@ class Engine(RemoteMemory):
             t = time.perf_counter()
             out = self.runner.run(x, sched.is_decode)
             seq = self.fence.on_dispatch(out.token)
+            if self.drafter is not None:  # the draft program, dispatched after the sampler
+                self.fence.on_dispatch(self.drafter.drafts)
             if self.idle_timer:
                 self.idle_timer.on_dispatch(seq, t, out.token)
             self._inflight.append((seq, sched, out, x))
@@ -310,26 +313,22 @@ class Engine(RemoteMemory):
         want_lp = any(s.sample and s.request.params.logprobs is not None for s in sched.seqs)
         if want_lp:
             lp, top_ids, top_lp = (np.asarray(a) for a in (out.logprob, out.top_ids, out.top_logprobs))
-        fed = np.asarray(self.runner.fed) if self.drafter is not None else None
+        if self.drafter is not None:
+            accepted, num_drafts = np.asarray(out.accepted), np.asarray(out.num_drafts)
         per_seq = self.runner.rows(1)
         now = time.perf_counter()
-        outputs, accepted = [], [0] * len(sched.seqs)
-        # what the draft program continues: requests still running on this step's output,
-        # and held ones it finished (their memory stays theirs for a transfer)
-        live = [s.epoch == s.request.epoch for s in sched.seqs]
+        outputs = []
         for i, s in enumerate(sched.seqs):
             req = s.request
             if not s.sample or s.epoch != req.epoch:
                 continue  # a chunk that samples nothing, or a stale output
             req.num_pending -= 1
-            base = i * per_seq
+            base, kept = i * per_seq, 0
             if s.num_drafts:
-                accepted[i] = self.drafter.accept(
-                    req, s, tokens[base:base + s.num_drafts],
-                    fed[x.cu_seqlens[i + 1] - s.num_drafts:x.cu_seqlens[i + 1]],
-                    self.config.verify_row)
+                kept = int(accepted[i])
+                self.drafter.accept(req, s, kept, self.config.verify_row)
             new = []
-            for row in range(base, base + accepted[i] + 1):
+            for row in range(base, base + kept + 1):
                 n = req.params.logprobs
                 logprobs = None
                 if n is not None:
@@ -339,15 +338,13 @@ class Engine(RemoteMemory):
                 self._append_token(req, new[-1], logprobs, now)
                 if req.is_finished:
                     break
-            live[i] = not req.is_finished or (req.hold_on_finish and req.finish_reason != "abort")
+            if self.drafter is not None and (
+                    not req.is_finished or (req.hold_on_finish and req.finish_reason != "abort")):
+                req.num_drafts = int(num_drafts[i])  # what the draft program made it
             if req.is_finished:
                 outputs.append(self._finished(req, new))
             else:
                 outputs.append(self._output(req, new))
-        if self.drafter is not None:
-            d = self.drafter.inputs(sched, x, accepted, live, self.config.block_size)
-            if d is not None:
-                self.fence.on_dispatch(self.runner.draft(d))
         return outputs
 
     def _append_token(self, req: Request, token: int, logprobs, now: float) -> None:

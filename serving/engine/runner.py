@@ -43,6 +43,7 @@ from tqdm import tqdm
 from qwen35_jax.sharding import mesh_of, replicated
 
 from serving.engine.buckets import Buckets
+from serving.engine.drafter import verdict
 from serving.engine.sampler import SAMPLER_MODES, SampleResult, SamplingArrays, sample
 from serving.engine.scheduler import SchedulerOutput
 
@@ -64,12 +65,18 @@ class StepInputs:
     snapshot_ends: np.ndarray  # i32 [S]: packed token ends of GDN snapshots (prefill only)
     snapshot_slots: np.ndarray  # i32 [S]: their rows; num_state_rows = none
     sampling: SamplingArrays
+    # speculative engines (drafter.py): what the sampler's verdict and the draft program read
+    verify_index: np.ndarray  # i32 [L]: packed index of the draft a row verifies; -1 = none
+    draft_room: np.ndarray  # i32 [N]: positions the blocks hold from the last fed non-draft
+    #                         token of a sequence that samples; 0 = no drafts after the step
+    after: np.ndarray  # i32 [N]: the token after a chunk that samples nothing; -1 = drawn
 
 
 def _forward(graphdef, treedef, batch_type, with_hidden, leaves, cache, last_token, drafts,
              x: StepInputs, is_decode: bool):
     """(cache, logits), and with `with_hidden` (a drafter reads them) the normalised
-    hidden state of every token and the tokens the step fed."""
+    hidden state of every token, the tokens the step fed and the draft each logits row
+    verifies (-1: none)."""
     tokens = jnp.where(x.from_slot >= 0, last_token[jnp.maximum(x.from_slot, 0)], x.tokens)
     tokens = jnp.where(x.from_draft >= 0, drafts.reshape(-1)[jnp.maximum(x.from_draft, 0)],
                        tokens)
@@ -84,11 +91,16 @@ def _forward(graphdef, treedef, batch_type, with_hidden, leaves, cache, last_tok
         return cache, logits
     h, cache = model.hidden(batch, cache)
     h = model.norm(h)
-    return cache, model.head(h[batch.logits_indices]), h, tokens
+    drafted = jnp.where(x.verify_index >= 0, tokens[jnp.maximum(x.verify_index, 0)], -1)
+    return cache, model.head(h[batch.logits_indices]), h, tokens, drafted
 
 
-def _sample(num_top, logits, last_token, sampling: SamplingArrays, sample_slot, mode):
+def _sample(num_top, k, logits, last_token, sampling: SamplingArrays, sample_slot, drafted,
+            draft_room, mode):
+    """The sampler, and with k drafts a sequence its `drafter.verdict` in the result."""
     out = sample(logits, sampling, num_top, mode)
+    if k:
+        out.accepted, out.num_drafts = verdict(out.token, drafted, draft_room, k)
     return last_token.at[sample_slot].set(out.token, mode="drop"), out
 
 
@@ -113,8 +125,8 @@ class Runner:
             cache_s = jax.tree.map(lambda a: a.sharding, cache)
             fwd_s = dict(in_shardings=([a.sharding for a in self._leaves], cache_s, rep, rep,
                                        rep),
-                         out_shardings=(cache_s, rep) + ((rep, rep) if drafter else ()))
-            smp_s = dict(in_shardings=(rep, rep, rep, rep), out_shardings=(rep, rep))
+                         out_shardings=(cache_s, rep) + ((rep, rep, rep) if drafter else ()))
+            smp_s = dict(in_shardings=(rep,) * 6, out_shardings=(rep, rep))
         self.last_token = jnp.zeros((num_slots,), jnp.int32, device=rep)
         self.drafter = drafter
         self.k = drafter.k if drafter else 0
@@ -127,7 +139,7 @@ class Runner:
         self.buckets = buckets
         self._fn = jax.jit(partial(_forward, graphdef, treedef, batch_type, drafter is not None),
                            static_argnums=5, donate_argnums=1, **fwd_s)
-        self._sample_fn = jax.jit(partial(_sample, num_top_logprobs), static_argnums=4,
+        self._sample_fn = jax.jit(partial(_sample, num_top_logprobs, self.k), static_argnums=6,
                                   donate_argnums=1, **smp_s)
         self._programs = {}  # (is_decode, T, N) -> compiled forward pass
         self.rewrites_whole_cache = False  # a program rewrites a whole cache array
@@ -163,7 +175,7 @@ class Runner:
         if self.drafter is not None:  # one draft program a bucket, beside the forward's
             hidden = {(t, n): lo.out_info[2] for (_, t, n), lo in zip(shapes, lowered)}
             for (t, n), h in hidden.items():
-                self.drafter.compile(t, n, self.max_blocks_per_seq, self.cache.kv, h)
+                self.drafter.compile(self.cache.kv, h, self._empty(t, n))
         with ThreadPoolExecutor(compile_threads) as pool:
             done = {pool.submit(lo.compile): i for i, lo in enumerate(lowered)}
             for future in as_completed(done):
@@ -196,7 +208,8 @@ class Runner:
     def _lower_sampler(self, mode, logits: jax.ShapeDtypeStruct):
         x = self._empty(1, logits.shape[0] // (self.k + 1))  # rows: k + 1 a sequence
         with jax.set_mesh(self.mesh) if self.mesh is not None else nullcontext():
-            return self._sample_fn.lower(logits, self.last_token, x.sampling, x.sample_slot, mode)
+            return self._sample_fn.lower(logits, self.last_token, x.sampling, x.sample_slot,
+                                         x.verify_index, x.draft_room, mode)
 
     def rows(self, n: int) -> int:
         """Logits rows of a bucket of `n` sequences: k + 1 a sequence in a speculative
@@ -207,13 +220,6 @@ class Runner:
         """The program of bucket (is_decode, T, N): a decode bucket holds k + 1 tokens a
         sequence (its last token and its drafts)."""
         return is_decode, n * (self.k + 1) if is_decode else t, n
-
-    def draft(self, x) -> jax.Array:
-        """Dispatch the drafter's program (`drafter.DraftInputs` x) over the last step's
-        hidden states, updating the cache's KV pool in place; returns the draft buffer."""
-        kv, drafts = self.drafter.run(self.cache.kv, self.hidden, x)
-        self.cache = self.cache.replace(kv=kv)
-        return drafts
 
     def _drafts(self):
         return self.drafter.drafts if self.drafter is not None else self._no_drafts
@@ -255,7 +261,8 @@ class Runner:
             sample_slot=np.full(rows, self.num_slots, np.int32),
             snapshot_ends=np.zeros(s, np.int32),
             snapshot_slots=np.full(s, self.num_state_rows, np.int32),
-            sampling=SamplingArrays.host(rows))
+            sampling=SamplingArrays.host(rows), verify_index=np.full(rows, -1, np.int32),
+            draft_room=np.zeros(n, np.int32), after=np.full(n, -1, np.int32))
 
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
         """The step's inputs. A sequence with drafts feeds its last token, then its drafts
@@ -273,6 +280,8 @@ class Runner:
             if stop < s.start + s.num_tokens - s.num_drafts:  # the one token still in flight
                 x.from_slot[pos + stop - s.start] = req.slot
             first = pos + s.num_tokens - s.num_drafts  # packed index of the first draft
+            if self.k:
+                self._verify(x, i, s, first, first - pos)
             if s.draft_tokens is not None:
                 x.tokens[first:first + s.num_drafts] = s.draft_tokens
             else:
@@ -304,6 +313,17 @@ class Runner:
         x.cu_seqlens[len(sched.seqs) + 1:] = pos
         return x
 
+    def _verify(self, x: StepInputs, i: int, s, first: int, own: int) -> None:
+        """Sequence `i`'s inputs of the verdict and the draft program, `s` having fed `own`
+        tokens that are no drafts, then its drafts from packed index `first` (drafter.py)."""
+        row = i * self.rows(1)
+        x.verify_index[row:row + s.num_drafts] = first + np.arange(s.num_drafts)
+        last = s.start + own - 1  # the position of the last of them
+        if s.sample:
+            x.draft_room[i] = len(s.request.block_ids) * self.drafter.block_size - last
+        else:
+            x.after[i] = s.request.token_slice(last + 1, last + 2)[0]
+
     def run(self, x: StepInputs, is_decode: bool) -> SampleResult:
         """Dispatch one step (forward pass, then sampler); returns device arrays without
         waiting."""
@@ -312,17 +332,22 @@ class Runner:
             self._programs[key] = self._lower(*key).compile()
         self.cache, logits, *extra = self._programs[key](self._leaves, self.cache,
                                                          self.last_token, self._drafts(), x)
-        if extra:  # a speculative engine's: the draft program reads them
-            self.hidden, self.fed = extra
-        return self._run_sampler(x, x.sampling.mode(), logits)
+        if not extra:
+            return self._run_sampler(x, x.sampling.mode(), logits)
+        hidden, fed, drafted = extra  # a speculative engine's: the draft program follows
+        out = self._run_sampler(x, x.sampling.mode(), logits, drafted)
+        kv, _ = self.drafter.run(self.cache.kv, hidden, fed, out, x)
+        self.cache = self.cache.replace(kv=kv)
+        return out
 
-    def _run_sampler(self, x: StepInputs, mode, logits) -> SampleResult:
+    def _run_sampler(self, x: StepInputs, mode, logits, drafted=None) -> SampleResult:
         key = (len(x.logits_indices), mode)
         if key not in self._samplers:
             aval = jax.ShapeDtypeStruct(logits.shape, logits.dtype)
             self._samplers[key] = self._lower_sampler(mode, aval).compile()
+        drafted = x.verify_index if drafted is None else drafted  # all -1 without drafts
         self.last_token, out = self._samplers[key](logits, self.last_token, x.sampling,
-                                                   x.sample_slot)
+                                                   x.sample_slot, drafted, x.draft_room)
         return out
 
 

@@ -73,6 +73,9 @@ class SampleResult:
     top_ids: jax.Array  # i32 [N, num_top]
     top_logprobs: jax.Array  # f32 [N, num_top]
     # (the last three are zeros unless the mode asked for logprobs)
+    # a speculative engine's verdict (drafter.verdict), i32 [sequences] each; else None
+    accepted: jax.Array | None = None
+    num_drafts: jax.Array | None = None
 
 
 jax.tree_util.register_dataclass(SampleResult)
