@@ -13,10 +13,9 @@ all rejected, and a step costs (time of a run of 1 + steps tokens - time of a ru
 token) / (engine steps between the two); a request keeps sum_{i=0..k} a^i tokens a step
 when each draft is accepted with probability a given the ones before it (the
 speculative-decoding rule). Output tokens/s per user are those tokens over the step time,
-per GPU that times ``seqs``. With drafts the engine processes each step before it
-schedules the next (the accepted count decides where the next starts), while the step's
-draft program runs; without, it schedules with async scheduling. Both are what serving
-runs.
+per GPU that times ``seqs``. With and without drafts the engine schedules each step
+while the one before runs (async scheduling, what serving runs; with drafts the next
+step moves on the device by what the one before accepted).
 
 Beside each step, its floor over the ceilings measured on the device first
 (``bench.roofline``): the target forward of k + 1 tokens a sequence at the run's mean

@@ -48,13 +48,22 @@ PARAMS = {"greedy": SamplingParams(max_tokens=48, temperature=0),
           "seeded": SamplingParams(max_tokens=48, temperature=0.8, top_p=0.9, seed=11)}
 
 
-@pytest.mark.parametrize("k,prefix", [(1, False), (3, True)])
-def test_outputs_are_the_ones_without_drafts(prompts, reference, k, prefix):
+@pytest.mark.parametrize("k,prefix,run_ahead", [(1, False, False), (3, True, True)])
+def test_outputs_are_the_ones_without_drafts(prompts, reference, k, prefix, run_ahead):
     """Identical outputs, with the verify steps of decoding requests in the decode
-    program (the GDN state after each token kept); and with one draft a step, the
-    trained head's draft is the model's next greedy token nearly always (every draft
+    program (the GDN state after each token kept), each step processed before the next
+    is scheduled or (async scheduling) scheduled while the one before runs, its
+    sequences moved on the device by what that one accepts; and with one draft a step,
+    the trained head's draft is the model's next greedy token nearly always (every draft
     accepted: acceptance length 2)."""
-    llm = _llm(k, enable_prefix_caching=prefix)
+    llm = _llm(k, enable_prefix_caching=prefix, async_scheduling=run_ahead)
+    followed, prepare = [], llm.engine.runner.prepare
+
+    def watched(sched):
+        followed.extend(s.follows is not None for s in sched.seqs)
+        return prepare(sched)
+
+    llm.engine.runner.prepare = watched
     for name, params in PARAMS.items():
         got = [o.token_ids for o in llm.generate(prompts, params)]
         assert got == reference[name], name
@@ -68,6 +77,8 @@ def test_outputs_are_the_ones_without_drafts(prompts, reference, k, prefix):
     assert sum(m["spec_decode_num_accepted_tokens_per_pos"]) == m["spec_decode_num_accepted_tokens"]
     if prefix:
         assert m["prefix_cache_hits"] > 0
+    # with async scheduling most decoding sequences continue a step still in flight
+    assert (sum(followed) > len(followed) / 2) if run_ahead else not any(followed)
 
 
 def test_preemption_and_aborts_keep_outputs_exact(prompts, reference):
@@ -113,9 +124,10 @@ def test_the_draft_program_reads_what_the_step_kept():
                     after=np.array([-1, -1, 32], np.int32))
     # 16 positions less the position of the last fed token that is no draft; 0: no sample
     draft_room = np.array([16 - 2, 16 - 7, 0], np.int32)
-    accepted, num_drafts = verdict(drawn, drafted, draft_room, k)
-    assert accepted.tolist() == [0, 1, 0] and num_drafts.tolist() == [2, 2, 0]
-    d = head_inputs(x, fed, drawn, accepted, num_drafts, k, num_slots)
+    v = verdict(drawn, drafted, draft_room, k)
+    assert v.accepted.tolist() == [0, 1, 0] and v.num_drafts.tolist() == [2, 2, 0]
+    assert v.verified.tolist() == [0, 2, 0]
+    d = head_inputs(x, fed, drawn, v.accepted, v.num_drafts, k, num_slots)
     assert d.cu_seqlens.tolist() == [0, 3, 5, 7]
     assert d.rows.tolist() == [0, 1, 2, 3, 4, 6, 7, 0]
     assert d.tokens.tolist() == [11, 12, 50, 21, 99, 31, 32, 0]

@@ -9,8 +9,8 @@ now known (a prompt chunk's positions; a verify step's accepted positions, the l
 one with the token sampled after it), reading the step's hidden states. What the step
 kept is decided on the device: the sampler program counts each sequence's accepted
 drafts and the drafts it gets next (`verdict`), the draft program derives its inputs
-from those counts (`head_inputs`), and the host reads the same counts with the tokens.
-So the host processes the step and builds the next while the draft program runs.
+from those counts (`head_inputs`), and the host reads the same counts with the tokens,
+a step later (the engine runs ahead: the next step moves by them on the device).
 From each decoding sequence's last such position it drafts k tokens: the first from
 the head's output there, each further one from the head at the next position, fed the
 previous draft and the head's own output in place of the target's hidden state (as
@@ -72,18 +72,28 @@ class DraftSource(NamedTuple):
         return cls(*(getattr(x, f) for f in cls._fields))
 
 
-def verdict(drawn, drafted, draft_room, k: int):
-    """(accepted, num_drafts), i32 [N] each: the drafts of each sequence the step keeps, the
-    leading ones equal to the token drawn before each (serving/engine/engine.py says why
-    that keeps the target distribution), and the drafts it gets next, as many as its blocks
-    hold after its last kept position, at most k. `drawn` [N (k + 1)]: the step's tokens,
-    k + 1 rows a sequence; `drafted` [N (k + 1)]: the draft each row verifies (-1: none);
-    `draft_room` [N]: positions the sequence's blocks hold from its last fed token that is
-    no draft (0: it gets no drafts)."""
+@jax.tree_util.register_dataclass
+@dataclass
+class Verdict:
+    """What a step with drafts kept, i32 [N] each (`verdict`)."""
+    accepted: jax.Array  # the drafts kept
+    num_drafts: jax.Array  # the drafts its draft program makes next
+    verified: jax.Array  # the drafts it verified (fed drafts the last draft program made)
+
+
+def verdict(drawn, drafted, draft_room, k: int) -> Verdict:
+    """The drafts of each sequence the step keeps, the leading ones equal to the token
+    drawn before each (serving/engine/engine.py says why that keeps the target
+    distribution), and the drafts it gets next, as many as its blocks hold after its last
+    kept position, at most k. `drawn` [N (k + 1)]: the step's tokens, k + 1 rows a
+    sequence; `drafted` [N (k + 1)]: the draft each row verifies (-1: none); `draft_room`
+    [N]: positions the sequence's blocks hold from its last fed token that is no draft
+    (0: it gets no drafts)."""
     n = draft_room.shape[0]
     match = (drawn == drafted).reshape(n, k + 1)[:, :k].astype(jnp.int32)
     accepted = jnp.sum(jnp.cumprod(match, axis=1), axis=1)
-    return accepted, jnp.clip(jnp.minimum(k, draft_room - accepted), 0)
+    return Verdict(accepted, jnp.clip(jnp.minimum(k, draft_room - accepted), 0),
+                   jnp.sum(drafted.reshape(n, k + 1) >= 0, axis=1))
 
 
 def head_inputs(x: DraftSource, fed, drawn, accepted, num_drafts, k: int, num_slots: int
@@ -113,9 +123,12 @@ def head_inputs(x: DraftSource, fed, drawn, accepted, num_drafts, k: int, num_sl
 
 
 def _draft(graphdef, treedef, mtp_graphdef, mtp_treedef, num_blocks, block_size, k, num_slots,
-           leaves, mtp_leaves, kv, drafts, hidden, fed, drawn, accepted, num_drafts, step):
-    """(kv, drafts): the head's KV written at the step's known positions, the drafts."""
-    x = head_inputs(step, fed, drawn, accepted, num_drafts, k, num_slots)
+           leaves, mtp_leaves, kv, drafts, hidden, fed, delta, drawn, v: Verdict, step):
+    """(kv, drafts, done): the head's KV written at the step's known positions, the drafts,
+    and a small array of its own the step fence polls (the others are donated onward).
+    ``delta``: how far each sequence moved on the device (runner._follow)."""
+    step = step._replace(start_pos=step.start_pos + delta)
+    x = head_inputs(step, fed, drawn, v.accepted, v.num_drafts, k, num_slots)
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
     mtp = nnx.merge(mtp_graphdef, jax.tree.unflatten(mtp_treedef, mtp_leaves))
     n = x.start_pos.shape[0]
@@ -147,7 +160,7 @@ def _draft(graphdef, treedef, mtp_graphdef, mtp_treedef, num_blocks, block_size,
                     layer)
         token = jnp.argmax(model.head(h), axis=-1).astype(jnp.int32)
         made.append(token[:n])
-    return kv, drafts.at[x.slot].set(jnp.stack(made, axis=1), mode="drop")
+    return kv, drafts.at[x.slot].set(jnp.stack(made, axis=1), mode="drop"), made[-1]
 
 
 def _decode_meta(positions, valid, block_tables, num_blocks, block_size) -> StepMeta:
@@ -188,7 +201,7 @@ class Drafter:
             jit_s = dict(in_shardings=([a.sharding for a in self._leaves],
                                        [a.sharding for a in self._mtp_leaves],
                                        kv_sharding, rep, rep, rep, rep, rep, rep, rep),
-                         out_shardings=(kv_sharding, rep))
+                         out_shardings=(kv_sharding, rep, rep))
         self.k, self.num_slots, self.block_size = k, num_slots, block_size
         self.drafts = jnp.zeros((num_slots, k), jnp.int32, device=rep)
         self._fn = jax.jit(partial(_draft, graphdef, treedef, mtp_graphdef, mtp_treedef,
@@ -205,17 +218,17 @@ class Drafter:
         return {**self._counts,
                 "spec_decode_num_accepted_tokens_per_pos": list(self._accepted_per_position)}
 
-    def accept(self, req, s, accepted: int, verify_row) -> None:
-        """Apply the `verdict` of scheduled sequence `s` to `req`: the state after its
-        `accepted` drafts; `verify_row(slot, r)` is the state row after the (r + 1)-th
-        token the verify step fed."""
+    def accept(self, req, s, accepted: int, verified: int, verify_row) -> None:
+        """Apply the `verdict` of scheduled sequence `s` to `req`: its `accepted` drafts (of
+        `verified`) are computed tokens, and its state is the one after them;
+        `verify_row(slot, r)` is the state row after the (r + 1)-th token the step fed."""
         for n in range(accepted):
             self._accepted_per_position[n] += 1
-        req.num_computed_tokens = s.start + 1 + accepted
+        req.num_computed_tokens += accepted
         req.verify_state = verify_row(req.slot, accepted) if accepted < s.num_drafts else None
         c = self._counts
         c["spec_decode_num_drafts"] += 1
-        c["spec_decode_num_draft_tokens"] += s.num_drafts
+        c["spec_decode_num_draft_tokens"] += verified
         c["spec_decode_num_accepted_tokens"] += accepted
 
     def compile(self, kv, hidden, step) -> None:
@@ -230,25 +243,27 @@ class Drafter:
         """The compiled draft programs (one a target bucket)."""
         return list(self._programs.values())
 
-    def run(self, kv, hidden, fed, sampled, step):
-        """Dispatch the draft program of a step (inputs `step`, fed tokens `fed`, sampler
-        result `sampled` with its verdict) on the KV pool `kv` (donated); returns the pool
-        and the draft buffer (device arrays) without waiting."""
+    def run(self, kv, hidden, fed, delta, sampled, step):
+        """Dispatch the draft program of a step (inputs `step`, fed tokens `fed`, moves
+        `delta`, sampler result `sampled` with its verdict) on the KV pool `kv` (donated);
+        returns the pool and the draft buffer (device arrays) without waiting."""
         key = _key(step)
         if key not in self._programs:
             self.compile(kv, hidden, step)
-        kv, self.drafts = self._programs[key](*self._args(kv, hidden, step, fed, sampled))
+        kv, self.drafts, self.done = self._programs[key](
+            *self._args(kv, hidden, step, fed, delta, sampled))
         return kv, self.drafts
 
-    def _args(self, kv, hidden, step, fed=None, sampled=None) -> tuple:
+    def _args(self, kv, hidden, step, fed=None, delta=None, sampled=None) -> tuple:
         if sampled is None:  # shapes only, to compile
             t, n, rows = len(step.tokens), len(step.start_pos), len(step.logits_indices)
             fed, drawn = np.zeros(t, np.int32), np.zeros(rows, np.int32)
-            accepted = num_drafts = np.zeros(n, np.int32)
+            delta = np.zeros(n, np.int32)
+            v = Verdict(delta, delta, delta)
         else:
-            drawn, accepted, num_drafts = sampled.token, sampled.accepted, sampled.num_drafts
-        return (self._leaves, self._mtp_leaves, kv, self.drafts, hidden, fed, drawn, accepted,
-                num_drafts, DraftSource.of(step))
+            drawn, v = sampled.token, sampled.verdict
+        return (self._leaves, self._mtp_leaves, kv, self.drafts, hidden, fed, delta, drawn, v,
+                DraftSource.of(step))
 
 
 def _key(step) -> tuple[int, int]:

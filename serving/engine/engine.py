@@ -23,12 +23,16 @@ Race freedom, by construction:
 Stale outputs (a request finished, aborted or preempted while a step holding
 it was in flight) are recognised by the request's epoch and dropped.
 
-Speculative decoding (`num_speculative_tokens` k, drafter.py) processes each step before
-the next is scheduled: how many drafts a verify step accepts decides where the next
-step starts. A step is then: schedule (a decoding request feeds its last token and its
-drafts), dispatch the forward pass, the sampler (which also decides what is accepted)
-and the draft program over what was accepted, then read the tokens and the counts and
-apply them while the draft program runs. A row's token is drawn as without
+Speculative decoding (`num_speculative_tokens` k, drafter.py) runs ahead the same way. A
+step is: schedule (a decoding request feeds its last token and its drafts), dispatch the
+forward pass, the sampler (which also decides what is accepted, `drafter.verdict`) and
+the draft program over what was accepted. How many drafts a verify step accepts decides
+where the next step starts, and the host learns it one step late; so the scheduler
+counts a verify step's drafts as rejected until then, and a step scheduled while the
+one before it is in flight (`ScheduledSeq.follows`) moves on the device by that step's
+accepted count: its start, positions and initial GDN state (runner.py, `_follow`), and
+it verifies only the drafts that step's draft program made. Its blocks also cover the
+positions the drafts in flight may add. A row's token is drawn as without
 drafts (the sampler's draw is a function of the request's seed and the position), and
 the drafts are accepted while each equals the token drawn before it; the first token
 that differs from its draft ends the run and is kept. For greedy drafts this is
@@ -124,7 +128,8 @@ class Engine(RemoteMemory):
                              max_blocks_per_seq=c.max_blocks_per_seq, buckets=c.buckets,
                              num_top_logprobs=c.max_logprobs, batch_type=batch_type,
                              num_state_rows=c.num_state_rows,
-                             snapshots_per_step=c.states_per_step, drafter=self.drafter)
+                             snapshots_per_step=c.states_per_step, drafter=self.drafter,
+                             verify_row=c.verify_row)
         with self.compiles.phase("warmup"):
             self.warmup_seconds = self.runner.warmup()
         log.info("engine ready: %d programs compiled in %.1f s, %d blocks x %d tokens, %d slots",
@@ -199,12 +204,12 @@ class Engine(RemoteMemory):
             out = self.runner.run(x, sched.is_decode)
             seq = self.fence.on_dispatch(out.token)
             if self.drafter is not None:  # the draft program, dispatched after the sampler
-                self.fence.on_dispatch(self.drafter.drafts)
+                self.fence.on_dispatch(self.drafter.done)
             if self.idle_timer:
                 self.idle_timer.on_dispatch(seq, t, out.token)
             self._inflight.append((seq, sched, out, x))
             self._count(sched, x)
-        run_ahead = self.config.async_scheduling and self.drafter is None
+        run_ahead = self.config.async_scheduling
         keep = 1 if (run_ahead and sched.seqs) else 0
         outputs: list[RequestOutput] = []
         while len(self._inflight) > keep:
@@ -314,7 +319,9 @@ class Engine(RemoteMemory):
         if want_lp:
             lp, top_ids, top_lp = (np.asarray(a) for a in (out.logprob, out.top_ids, out.top_logprobs))
         if self.drafter is not None:
-            accepted, num_drafts = np.asarray(out.accepted), np.asarray(out.num_drafts)
+            v = out.verdict
+            accepted, num_drafts, verified = (np.asarray(a) for a in (v.accepted, v.num_drafts,
+                                                                      v.verified))
         per_seq = self.runner.rows(1)
         now = time.perf_counter()
         outputs = []
@@ -326,7 +333,10 @@ class Engine(RemoteMemory):
             base, kept = i * per_seq, 0
             if s.num_drafts:
                 kept = int(accepted[i])
-                self.drafter.accept(req, s, kept, self.config.verify_row)
+                self.drafter.accept(req, s, kept, int(verified[i]), self.config.verify_row)
+            last = req.in_flight is s  # no later step of req is in flight
+            if last:
+                req.in_flight = None
             new = []
             for row in range(base, base + kept + 1):
                 n = req.params.logprobs
@@ -338,7 +348,7 @@ class Engine(RemoteMemory):
                 self._append_token(req, new[-1], logprobs, now)
                 if req.is_finished:
                     break
-            if self.drafter is not None and (
+            if self.drafter is not None and last and (
                     not req.is_finished or (req.hold_on_finish and req.finish_reason != "abort")):
                 req.num_drafts = int(num_drafts[i])  # what the draft program made it
             if req.is_finished:

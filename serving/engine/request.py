@@ -14,8 +14,12 @@ of steps dispatched in an earlier epoch are stale and dropped.
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from serving.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from serving.engine.scheduler import ScheduledSeq
 
 
 class Status(enum.Enum):
@@ -52,10 +56,13 @@ class Request:
     num_registered_blocks: int = 0
     num_cached_tokens: int | None = None
     divergence: int | None = None  # where its prompt leaves the longest cached one
-    # speculative decoding: drafts waiting in the draft buffer for the next step, and the
-    # state row the last verify step left its GDN state in (None: its slot)
+    # speculative decoding: drafts waiting in the draft buffer for the next step (with a
+    # step in flight, the k it may have made), and the state row the last verify step
+    # left its GDN state in (None: its slot); the last scheduled step that samples, until
+    # the engine has processed it (its accepted count is then known on the host only)
     num_drafts: int = 0
     verify_state: int | None = None
+    in_flight: "ScheduledSeq | None" = None
     host_drafts: list[int] | None = None  # drafts known on the host (a prefill worker's)
 
     finish_reason: str | None = None  # "stop" | "length" | "abort"

@@ -27,6 +27,7 @@ the host tokens. Each step writes its sampled tokens there for the sequences
 whose chunk reached the end of their known tokens.
 """
 
+import dataclasses
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -61,7 +62,8 @@ class StepInputs:
     init_slots: np.ndarray  # i32 [N]: row of the initial GDN state (a snapshot on a hit)
     block_tables: np.ndarray  # i32 [N, M]
     logits_indices: np.ndarray  # i32 [L]: L = N rows, or N * (k + 1) with k drafts (rows_per_seq)
-    sample_slot: np.ndarray  # i32 [L]: where to store the sampled token; num_slots = nowhere
+    sample_slot: np.ndarray  # i32 [L]: where to store the sampled token (with drafts, a
+    #                          sequence's first row: the one it keeps); num_slots = nowhere
     snapshot_ends: np.ndarray  # i32 [S]: packed token ends of GDN snapshots (prefill only)
     snapshot_slots: np.ndarray  # i32 [S]: their rows; num_state_rows = none
     sampling: SamplingArrays
@@ -70,51 +72,81 @@ class StepInputs:
     draft_room: np.ndarray  # i32 [N]: positions the blocks hold from the last fed non-draft
     #                         token of a sequence that samples; 0 = no drafts after the step
     after: np.ndarray  # i32 [N]: the token after a chunk that samples nothing; -1 = drawn
+    follows: np.ndarray  # i32 [N]: 1 = it continues a step in flight (ScheduledSeq.follows)
+    resume_rows: np.ndarray  # i32 [N, k + 1]: its initial state row, by that step's accepted
 
 
-def _forward(graphdef, treedef, batch_type, with_hidden, leaves, cache, last_token, drafts,
+def _forward(graphdef, treedef, batch_type, k, leaves, cache, last_token, drafts, verdicts,
              x: StepInputs, is_decode: bool):
-    """(cache, logits), and with `with_hidden` (a drafter reads them) the normalised
-    hidden state of every token, the tokens the step fed and the draft each logits row
-    verifies (-1: none)."""
+    """(cache, logits), and with k drafts a sequence (a drafter reads them) the normalised
+    hidden state of every token, the tokens the step fed, the draft each logits row
+    verifies (-1: none) and how far each sequence moved on the device (`_follow`)."""
     tokens = jnp.where(x.from_slot >= 0, last_token[jnp.maximum(x.from_slot, 0)], x.tokens)
     tokens = jnp.where(x.from_draft >= 0, drafts.reshape(-1)[jnp.maximum(x.from_draft, 0)],
                        tokens)
-    batch = batch_type(tokens=tokens, cu_seqlens=x.cu_seqlens, start_pos=x.start_pos,
+    start_pos, init_slots = x.start_pos, x.init_slots
+    if k:
+        delta, made = _follow(x, verdicts, k)
+        start_pos = start_pos + delta
+        init_slots = jnp.where(x.follows > 0, jnp.take_along_axis(
+            x.resume_rows, delta[:, None], axis=1)[:, 0], init_slots)
+    batch = batch_type(tokens=tokens, cu_seqlens=x.cu_seqlens, start_pos=start_pos,
                        slots=x.slots, block_tables=x.block_tables,
-                       logits_indices=x.logits_indices, init_slots=x.init_slots,
+                       logits_indices=x.logits_indices, init_slots=init_slots,
                        snapshot_ends=x.snapshot_ends, snapshot_slots=x.snapshot_slots,
                        is_decode=is_decode)
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
-    if not with_hidden:
+    if not k:
         logits, cache = model.forward(batch, cache)
         return cache, logits
     h, cache = model.hidden(batch, cache)
     h = model.norm(h)
-    drafted = jnp.where(x.verify_index >= 0, tokens[jnp.maximum(x.verify_index, 0)], -1)
-    return cache, model.head(h[batch.logits_indices]), h, tokens, drafted
+    r = jnp.arange(x.verify_index.shape[0]) % (k + 1)  # the draft a row verifies
+    real = (x.verify_index >= 0) & (r < jnp.repeat(made, k + 1))
+    drafted = jnp.where(real, tokens[jnp.maximum(x.verify_index, 0)], -1)
+    return cache, model.head(h[batch.logits_indices]), h, tokens, drafted, delta
 
 
-def _sample(num_top, k, logits, last_token, sampling: SamplingArrays, sample_slot, drafted,
-            draft_room, mode):
-    """The sampler, and with k drafts a sequence its `drafter.verdict` in the result."""
+def _follow(x: StepInputs, verdicts, k: int):
+    """(delta, made), i32 [N]: for a sequence that continues a step in flight (the host
+    schedules it from that step's first token, as if it accepted nothing), the drafts that
+    step accepted, by which its start moves, and the drafts its draft program made, which
+    this step verifies (those it feeds past them are not drafts); 0 and k for any other."""
+    slot = jnp.clip(x.slots, 0, verdicts.shape[1] - 1)
+    follows = x.follows > 0
+    return jnp.where(follows, verdicts[0, slot], 0), jnp.where(follows, verdicts[1, slot], k)
+
+
+def _sample(num_top, k, logits, last_token, verdicts, sampling: SamplingArrays, sample_slot,
+            drafted, draft_room, delta, mode):
+    """The sampler; with k drafts a sequence, its `drafter.verdict` too, kept by slot for
+    the step after (`_follow`) with the token the next step feeds (the first drawn one
+    that is no accepted draft). ``delta``: how far each sequence moved on the device."""
+    if not k:
+        out = sample(logits, sampling, num_top, mode)
+        return last_token.at[sample_slot].set(out.token, mode="drop"), verdicts, out
+    n = delta.shape[0]
+    sampling = dataclasses.replace(sampling, position=sampling.position + jnp.repeat(delta, k + 1))
     out = sample(logits, sampling, num_top, mode)
-    if k:
-        out.accepted, out.num_drafts = verdict(out.token, drafted, draft_room, k)
-    return last_token.at[sample_slot].set(out.token, mode="drop"), out
+    out.verdict = verdict(out.token, drafted, draft_room - delta, k)
+    slot = sample_slot.reshape(n, k + 1)[:, 0]
+    kept = out.token.reshape(n, k + 1)[jnp.arange(n), out.verdict.accepted]
+    verdicts = verdicts.at[:, slot].set(
+        jnp.stack([out.verdict.accepted, out.verdict.num_drafts]), mode="drop")
+    return last_token.at[slot].set(kept, mode="drop"), verdicts, out
 
 
 class Runner:
     def __init__(self, model: nnx.Module, cache, *, num_slots: int, max_blocks_per_seq: int,
                  buckets: Buckets, num_top_logprobs: int, batch_type, num_state_rows=None,
-                 snapshots_per_step=lambda t, n: 0, drafter=None):
+                 snapshots_per_step=lambda t, n: 0, drafter=None, verify_row=None):
         """`num_state_rows`: rows of the cache's state arrays (default `num_slots`; more
         hold prefix-cache snapshots and verify states); `snapshots_per_step(T, N)`: GDN
         snapshots a prefill bucket emits; `drafter` (speculative decoding): its k
         drafts are verified in the step after them, whose programs return k + 1 logits
         rows a sequence (a decode bucket of N sequences holds N (k + 1) tokens and
-        keeps the GDN state after each but a sequence's last), and every program
-        returns its hidden states for the draft program."""
+        keeps the GDN state after each but a sequence's last in row `verify_row(slot,
+        r)`), and every program returns its hidden states for the draft program."""
         graphdef, state = nnx.split(model)
         self._leaves, treedef = jax.tree.flatten(state)
         self.cache = cache
@@ -124,23 +156,26 @@ class Runner:
         if self.mesh is not None:
             cache_s = jax.tree.map(lambda a: a.sharding, cache)
             fwd_s = dict(in_shardings=([a.sharding for a in self._leaves], cache_s, rep, rep,
-                                       rep),
-                         out_shardings=(cache_s, rep) + ((rep, rep, rep) if drafter else ()))
-            smp_s = dict(in_shardings=(rep,) * 6, out_shardings=(rep, rep))
+                                       rep, rep),
+                         out_shardings=(cache_s, rep) + ((rep,) * 4 if drafter else ()))
+            smp_s = dict(in_shardings=(rep,) * 8, out_shardings=(rep, rep, rep))
         self.last_token = jnp.zeros((num_slots,), jnp.int32, device=rep)
         self.drafter = drafter
         self.k = drafter.k if drafter else 0
-        # the draft buffer of a drafter, else a stand-in the programs never read
+        # the draft buffer of a drafter, else a stand-in the programs never read; each
+        # slot's last verdict (accepted, drafts made): `_follow` reads them
         self._no_drafts = jnp.zeros((1, 1), jnp.int32, device=rep)
+        self.verdicts = jnp.zeros((2, num_slots if drafter else 1), jnp.int32, device=rep)
+        self.verify_row = verify_row
         self.num_slots = num_slots
         self.num_state_rows = num_slots if num_state_rows is None else num_state_rows
         self.snapshots_per_step = snapshots_per_step
         self.max_blocks_per_seq = max_blocks_per_seq
         self.buckets = buckets
-        self._fn = jax.jit(partial(_forward, graphdef, treedef, batch_type, drafter is not None),
-                           static_argnums=5, donate_argnums=1, **fwd_s)
-        self._sample_fn = jax.jit(partial(_sample, num_top_logprobs, self.k), static_argnums=6,
-                                  donate_argnums=1, **smp_s)
+        self._fn = jax.jit(partial(_forward, graphdef, treedef, batch_type, self.k),
+                           static_argnums=6, donate_argnums=1, **fwd_s)
+        self._sample_fn = jax.jit(partial(_sample, num_top_logprobs, self.k), static_argnums=8,
+                                  donate_argnums=(1, 2), **smp_s)
         self._programs = {}  # (is_decode, T, N) -> compiled forward pass
         self.rewrites_whole_cache = False  # a program rewrites a whole cache array
         self._samplers = {}  # (N, SamplerMode) -> compiled sampler
@@ -192,7 +227,7 @@ class Runner:
         logits = {}  # L -> the logits of one padding step with L rows
         for is_decode, t, n in shapes:
             self.cache, logits[self.rows(n)], *_ = self._programs[is_decode, t, n](
-                self._leaves, self.cache, self.last_token, self._drafts(),
+                self._leaves, self.cache, self.last_token, self._drafts(), self.verdicts,
                 self._empty(t, n, is_decode))
         for n, mode in samplers:
             out = self._run_sampler(self._empty(1, n // (self.k + 1)), mode, logits[n])
@@ -203,13 +238,14 @@ class Runner:
     def _lower(self, is_decode: bool, t: int, n: int):
         with jax.set_mesh(self.mesh) if self.mesh is not None else nullcontext():
             return self._fn.lower(self._leaves, self.cache, self.last_token, self._drafts(),
-                                  self._empty(t, n, is_decode), is_decode)
+                                  self.verdicts, self._empty(t, n, is_decode), is_decode)
 
     def _lower_sampler(self, mode, logits: jax.ShapeDtypeStruct):
         x = self._empty(1, logits.shape[0] // (self.k + 1))  # rows: k + 1 a sequence
         with jax.set_mesh(self.mesh) if self.mesh is not None else nullcontext():
-            return self._sample_fn.lower(logits, self.last_token, x.sampling, x.sample_slot,
-                                         x.verify_index, x.draft_room, mode)
+            return self._sample_fn.lower(logits, self.last_token, self.verdicts, x.sampling,
+                                         x.sample_slot, x.verify_index, x.draft_room,
+                                         np.zeros_like(x.draft_room), mode)
 
     def rows(self, n: int) -> int:
         """Logits rows of a bucket of `n` sequences: k + 1 a sequence in a speculative
@@ -262,7 +298,8 @@ class Runner:
             snapshot_ends=np.zeros(s, np.int32),
             snapshot_slots=np.full(s, self.num_state_rows, np.int32),
             sampling=SamplingArrays.host(rows), verify_index=np.full(rows, -1, np.int32),
-            draft_room=np.zeros(n, np.int32), after=np.full(n, -1, np.int32))
+            draft_room=np.zeros(n, np.int32), after=np.full(n, -1, np.int32),
+            follows=np.zeros(n, np.int32), resume_rows=np.zeros((n, self.k + 1), np.int32))
 
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
         """The step's inputs. A sequence with drafts feeds its last token, then its drafts
@@ -302,7 +339,7 @@ class Runner:
                 x.logits_indices[row] = first - 1 + r
                 if s.sample:
                     p = req.params
-                    x.sample_slot[row] = req.slot if self.k == 0 else self.num_slots
+                    x.sample_slot[row] = req.slot if r == 0 else self.num_slots
                     x.sampling.temperature[row] = p.temperature
                     x.sampling.top_k[row] = p.top_k
                     x.sampling.top_p[row] = p.top_p
@@ -323,6 +360,11 @@ class Runner:
             x.draft_room[i] = len(s.request.block_ids) * self.drafter.block_size - last
         else:
             x.after[i] = s.request.token_slice(last + 1, last + 2)[0]
+        if s.follows is not None:
+            x.follows[i] = 1
+            slot = s.request.slot
+            x.resume_rows[i] = [self.verify_row(slot, a) if a < s.follows else slot
+                                for a in range(self.k + 1)]
 
     def run(self, x: StepInputs, is_decode: bool) -> SampleResult:
         """Dispatch one step (forward pass, then sampler); returns device arrays without
@@ -331,23 +373,26 @@ class Runner:
         if key not in self._programs:  # outside the buckets: the compile guard reports it
             self._programs[key] = self._lower(*key).compile()
         self.cache, logits, *extra = self._programs[key](self._leaves, self.cache,
-                                                         self.last_token, self._drafts(), x)
+                                                         self.last_token, self._drafts(),
+                                                         self.verdicts, x)
         if not extra:
             return self._run_sampler(x, x.sampling.mode(), logits)
-        hidden, fed, drafted = extra  # a speculative engine's: the draft program follows
-        out = self._run_sampler(x, x.sampling.mode(), logits, drafted)
-        kv, _ = self.drafter.run(self.cache.kv, hidden, fed, out, x)
+        hidden, fed, drafted, delta = extra  # a speculative engine's: the draft program follows
+        out = self._run_sampler(x, x.sampling.mode(), logits, drafted, delta)
+        kv, _ = self.drafter.run(self.cache.kv, hidden, fed, delta, out, x)
         self.cache = self.cache.replace(kv=kv)
         return out
 
-    def _run_sampler(self, x: StepInputs, mode, logits, drafted=None) -> SampleResult:
+    def _run_sampler(self, x: StepInputs, mode, logits, drafted=None, delta=None) -> SampleResult:
         key = (len(x.logits_indices), mode)
         if key not in self._samplers:
             aval = jax.ShapeDtypeStruct(logits.shape, logits.dtype)
             self._samplers[key] = self._lower_sampler(mode, aval).compile()
         drafted = x.verify_index if drafted is None else drafted  # all -1 without drafts
-        self.last_token, out = self._samplers[key](logits, self.last_token, x.sampling,
-                                                   x.sample_slot, drafted, x.draft_room)
+        delta = np.zeros_like(x.draft_room) if delta is None else delta
+        self.last_token, self.verdicts, out = self._samplers[key](
+            logits, self.last_token, self.verdicts, x.sampling, x.sample_slot, drafted,
+            x.draft_room, delta)
         return out
 
 

@@ -20,11 +20,14 @@ logit: cheaper to run and much cheaper to compile than threefry keys.
 """
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+if TYPE_CHECKING:
+    from serving.engine.drafter import Verdict
 
 
 @jax.tree_util.register_dataclass
@@ -73,9 +76,7 @@ class SampleResult:
     top_ids: jax.Array  # i32 [N, num_top]
     top_logprobs: jax.Array  # f32 [N, num_top]
     # (the last three are zeros unless the mode asked for logprobs)
-    # a speculative engine's verdict (drafter.verdict), i32 [sequences] each; else None
-    accepted: jax.Array | None = None
-    num_drafts: jax.Array | None = None
+    verdict: "Verdict | None" = None  # a speculative engine's (drafter.verdict)
 
 
 jax.tree_util.register_dataclass(SampleResult)

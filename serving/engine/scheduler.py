@@ -65,6 +65,9 @@ class ScheduledSeq:
     snapshots: list[tuple[int, int]] = field(default_factory=list)  # (position, row)
     num_drafts: int = 0  # the last of the num_tokens are drafts to verify
     draft_tokens: list[int] | None = None  # those drafts, when the host knows them
+    # it continues the verify step in flight that had these drafts (None: known tokens):
+    # its start and initial state move by that step's accepted count, on the device
+    follows: int | None = None
 
 
 @dataclass
@@ -250,7 +253,8 @@ class Scheduler:
                 break
             drafts = self._drafts(req, budget) if left == 1 else 0
             n += drafts
-            while not self._grow(req, req.num_computed_tokens + n, may_wait=True):
+            while not self._grow(req, req.num_computed_tokens + n + self._unverified(req),
+                                 may_wait=True):
                 victim = next((r for r in reversed(self.running)
                                if id(r) not in scheduled and r is not req), req)
                 self._preempt(victim)
@@ -258,7 +262,8 @@ class Scheduler:
                 if victim is req:
                     break
             if req.status is Status.RUNNING:
-                seqs.append(self._take(req, n, req.verify_state, drafts))
+                restore = None if req.in_flight is not None else req.verify_state
+                seqs.append(self._take(req, n, restore, drafts))
                 scheduled.add(id(req))
                 budget -= n
         def room() -> bool:
@@ -385,28 +390,41 @@ class Scheduler:
         p.commit()
 
     def _remaining(self, req: Request) -> int:
-        """Tokens `req` can be fed now: zero once its last sample is in flight."""
-        if req.num_generated >= req.params.max_tokens or req.num_tokens >= self.max_model_len:
+        """Tokens `req` can be fed now: zero once its last sample is in flight, or its
+        length could reach max_model_len by the drafts a step in flight accepts."""
+        if (req.num_generated >= req.params.max_tokens
+                or req.num_tokens + self._unverified(req) >= self.max_model_len):
             return 0
         return req.num_tokens - req.num_computed_tokens
+
+    def _unverified(self, req: Request) -> int:
+        """Drafts of `req`'s step in flight: tokens it may have beyond what the host counts."""
+        return req.in_flight.num_drafts if req.in_flight is not None else 0
 
     def _drafts(self, req: Request, budget: int) -> int:
         """Drafts a decoding request feeds this step: what it has, within its token limits
         and the step's budget."""
         return max(0, min(req.num_drafts, budget - 1,
                           req.params.max_tokens - req.num_generated - 1,
-                          self.max_model_len - req.num_tokens - 1))
+                          self.max_model_len - req.num_tokens - self._unverified(req) - 1))
 
     def _take(self, req: Request, n: int, restore: int | None = None,
               drafts: int = 0) -> ScheduledSeq:
         """Schedule `n` tokens of `req`, the last `drafts` of them drafts: counted as
-        computed until the engine learns how many it accepts."""
+        rejected until the engine learns how many it accepts. A step that samples is the
+        request's `in_flight` one until processed; one scheduled while another is in
+        flight starts where the host's count says and moves on the device (`follows`)."""
         start = req.num_computed_tokens
-        req.num_computed_tokens += n
-        sample = req.num_computed_tokens - drafts == req.num_tokens
+        req.num_computed_tokens += n - drafts
+        sample = req.num_computed_tokens == req.num_tokens
+        s = ScheduledSeq(req, start, n, sample, req.epoch, restore, num_drafts=drafts)
+        if req.in_flight is not None:
+            s.follows = req.in_flight.num_drafts
         if sample:
             req.num_pending += 1
-        s = ScheduledSeq(req, start, n, sample, req.epoch, restore, num_drafts=drafts)
+            req.in_flight = s
+            if self.k:  # what its draft program makes, at most: known when processed
+                req.num_drafts = self.k
         if req.host_drafts is not None and drafts:
             s.draft_tokens = req.host_drafts[:drafts]
         req.host_drafts = None
@@ -440,7 +458,7 @@ class Scheduler:
         """Back to the head of the queue, holding no memory, to compute its prompt
         again from the start (under "lpm" as one passed over too often: first)."""
         req.num_computed_tokens = 0
-        req.num_drafts, req.verify_state, req.host_drafts = 0, None, None
+        req.num_drafts, req.verify_state, req.host_drafts, req.in_flight = 0, None, None, None
         req.num_passed = MAX_PASSED
         req.status = Status.WAITING
         self.waiting.appendleft(req)
