@@ -65,8 +65,9 @@ class ScheduledSeq:
     snapshots: list[tuple[int, int]] = field(default_factory=list)  # (position, row)
     num_drafts: int = 0  # the last of the num_tokens are drafts to verify
     draft_tokens: list[int] | None = None  # those drafts, when the host knows them
-    # it continues the verify step in flight that had these drafts (None: known tokens):
-    # its start and initial state move by that step's accepted count, on the device
+    # it continues a step in flight that samples, which verified these drafts (None: it
+    # continues known tokens): its start and initial state move, on the device, by the
+    # drafts that step accepts
     follows: int | None = None
 
 
