@@ -285,7 +285,7 @@ def prefill_bench(quick, variants, use_fla, only=None):
 
 def _prefill_batched(shape, lens, inputs, ours_best, packed, T, Hv, nbytes):
     """Ours called as FLA is: [B, T] sequences of one length and no cu_seqlens. The
-    chunk table is then built in NumPy at trace time (``mgpu.block_table``), where the
+    chunk table is then built in NumPy at trace time (``mgpu_tables.block_table``), where the
     packed call computes it from cu_seqlens on every call, as a server has to. The
     same kernels: checked against the packed output and state, then timed (device
     time under --profile). Returns the timed row, or None."""

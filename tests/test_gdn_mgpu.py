@@ -1,4 +1,4 @@
-"""The Mosaic GPU GDN prefill (pallas_kernels/gdn/mgpu.py).
+"""The Mosaic GPU GDN prefill (pallas_kernels/gdn/mgpu.py and its launches and tables).
 
 Its chunk table runs anywhere (plain XLA). Its kernels need wgmma: they run natively on
 an sm90 GPU, or in JAX's Mosaic GPU interpreter, which ships from jax 0.11; on the CPU
@@ -15,7 +15,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.gdn import mgpu
+from pallas_kernels.gdn import mgpu, mgpu_tables
 from pallas_kernels.oracle import gdn_prefill_oracle, rel_err
 from mosaic_runner import need_runner as _need_runner
 
@@ -30,7 +30,7 @@ CUS = [
 @pytest.mark.parametrize("cu", CUS)
 def test_block_table_covers_each_sequence_on_the_grid(cu):
     total = cu[-1] + 9
-    tab = {k: np.asarray(v) for k, v in mgpu.block_table(jnp.asarray(cu, jnp.int32), total).items()}
+    tab = {k: np.asarray(v) for k, v in mgpu_tables.block_table(jnp.asarray(cu, jnp.int32), total).items()}
     n_seq = len(cu) - 1
     c_max = -(-total // 64) + n_seq
     assert tab["start"].shape == (c_max,)
@@ -49,9 +49,9 @@ def test_block_table_covers_each_sequence_on_the_grid(cu):
 
 def test_per_block_zero_outside_rows():
     cu = jnp.asarray([0, 70, 100], jnp.int32)
-    tab = mgpu.block_table(cu, 100)
+    tab = mgpu_tables.block_table(cu, 100)
     x = jnp.arange(100 * 2, dtype=jnp.float32).reshape(100, 2) + 1.0
-    xb = np.asarray(mgpu._per_block(x, tab))  # [C, 2, 64]
+    xb = np.asarray(mgpu_tables.per_block(x, tab))  # [C, 2, 64]
     t = {k: np.asarray(v) for k, v in tab.items()}
     for c in range(xb.shape[0]):
         for r in range(64):
@@ -65,8 +65,8 @@ def test_block_table_from_numpy_is_the_traced_table_trimmed(cu):
     """Without cu_seqlens the table is built in NumPy at trace time, with only the used
     entries: the traced table's first entries, whose rest are unused."""
     total = cu[-1]
-    traced = {k: np.asarray(v) for k, v in mgpu.block_table(jnp.asarray(cu, jnp.int32), total).items()}
-    static = mgpu.block_table(np.asarray(cu, np.int32), total)
+    traced = {k: np.asarray(v) for k, v in mgpu_tables.block_table(jnp.asarray(cu, jnp.int32), total).items()}
+    static = mgpu_tables.block_table(np.asarray(cu, np.int32), total)
     assert all(isinstance(v, np.ndarray) and v.dtype == np.int32 for v in static.values())
     n = static["start"].shape[0]
     assert n == max(1, int(traced["seq_nchunks"].sum()))
@@ -81,10 +81,10 @@ def test_block_table_from_numpy_is_the_traced_table_trimmed(cu):
 def test_per_block_of_a_numpy_table_equals_the_gather(cu):
     """Whole blocks in order take the reshape; the values are the gather's either way."""
     x = jnp.asarray(np.random.default_rng(0).standard_normal((cu[-1], 3)), jnp.float32)
-    static = mgpu.block_table(np.asarray(cu, np.int32), cu[-1])
+    static = mgpu_tables.block_table(np.asarray(cu, np.int32), cu[-1])
     as_jax = {k: jnp.asarray(v) for k, v in static.items()}
-    np.testing.assert_array_equal(np.asarray(mgpu._per_block(x, static)),
-                                  np.asarray(mgpu._per_block(x, as_jax)))
+    np.testing.assert_array_equal(np.asarray(mgpu_tables.per_block(x, static)),
+                                  np.asarray(mgpu_tables.per_block(x, as_jax)))
 
 
 def _case(rng, lens, pad, Hk, Hv, dk, dv, shared, with_init):
@@ -124,10 +124,10 @@ ENDS = [16, 32, 64, 65, 66, 100, 196, 0, 500]  # two in one block, on the grid, 
 
 def test_snapshot_table_puts_each_end_in_the_block_holding_its_last_token():
     cu = jnp.asarray([0, 65, 65, 66, 196], jnp.int32)
-    tab = mgpu.block_table(cu, 199)
+    tab = mgpu_tables.block_table(cu, 199)
     C = tab["start"].shape[0]
     gam = jnp.arange(C * 2 * 64, dtype=jnp.float32).reshape(C, 2, 64)
-    t = {k: np.asarray(v) for k, v in mgpu.snapshot_table(tab, gam, jnp.asarray(ENDS)).items()}
+    t = {k: np.asarray(v) for k, v in mgpu_tables.snapshot_table(tab, gam, jnp.asarray(ENDS)).items()}
     start, lo, hi = (np.asarray(tab[k]) for k in ("start", "lo", "hi"))
     assert t["ok"].tolist() == [True] * 7 + [False] * 2
     seen = []

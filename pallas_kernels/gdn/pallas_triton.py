@@ -99,7 +99,7 @@ def _doubling_inverse(A, ri, ci, prec):
     of the diagonal blocks: D_s = T's block-diagonal part in s-row blocks, B_s = A's
     part below the diagonal inside each 2s block, D_2s = D_s - D_s B_s D_s (T_ba =
     -T_bb A_ba T_aa); B_s D_s is computed as A D_s kept on B_s's blocks (D_s is block
-    diagonal), as the Mosaic GPU intra kernel (gdn/mgpu.py) does. Its products have
+    diagonal), as the Mosaic GPU intra kernel (gdn/mgpu_intra.py) does. Its products have
     moderate entries, where the product form (I+N)(I+N^2)(I+N^4)..., N = -A, builds
     powers of A with entries ~1e7 for keys sharing a direction and loses every digit to
     cancellation (bench/RESULTS.md)."""

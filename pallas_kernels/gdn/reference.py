@@ -57,7 +57,7 @@ def _check_shapes(q, k, v, g, beta):
 def normalize_cu_seqlens(B, T, cu_seqlens):
     """Returns (cu int32 [N+1], N); without cu_seqlens each batch row is one sequence
     of length T (packed as B*T tokens), and cu is a NumPy array, so that the chunk
-    tables can be built at trace time (``mgpu.block_table``) or folded by XLA."""
+    tables can be built at trace time (``mgpu_tables.block_table``) or folded by XLA."""
     if cu_seqlens is None:
         return np.arange(B + 1, dtype=np.int32) * T, B
     if B != 1:
