@@ -24,7 +24,10 @@ The last-token buffer is what lets the host run ahead: a decode token that was
 sampled by a step still in flight is not known on the host, so the next step
 reads it on device from `last_token[slot]` (`from_slot` >= 0) instead of from
 the host tokens. Each step writes its sampled tokens there for the sequences
-whose chunk reached the end of their known tokens.
+whose chunk reached the end of their known tokens. With drafts the token written is the
+one a sequence keeps after its accepted drafts, and a per-slot verdict buffer beside it
+(`verdicts`: drafts accepted, drafts made) tells the next step how far the sequence
+moved (`_follow`), which the host learns only when it processes the step.
 """
 
 import dataclasses
