@@ -1,5 +1,7 @@
-"""MTP drafting: the program a speculative engine runs after each step, and the host side
-of a verify step (which drafts are kept, what the next draft program runs over).
+"""MTP drafting: the program a speculative engine runs after each step, and what a verify
+step decides: on the device, which drafts are kept and where the next step and the next
+draft program start (`verdict`, `keep`, `follow`, `head_inputs`); on the host, the
+counts it applies a step later (`Drafter.accept`).
 
 The MTP head (``qwen35_jax.mtp``) at position ``t`` reads the target's normalised hidden
 state after token ``t`` and the embedding of token ``t+1``, writes its own KV at ``t``
@@ -96,6 +98,41 @@ def verdict(drawn, drafted, draft_room, k: int) -> Verdict:
                    jnp.sum(drafted.reshape(n, k + 1) >= 0, axis=1))
 
 
+def keep(drawn, v: Verdict, sample_slot, last_token, verdicts, k: int):
+    """(last_token, verdicts): each sampling sequence's `verdict` and the token the next
+    step feeds it (the first drawn one that is no accepted draft), kept by slot; a
+    sequence's first logits row names its slot (`sample_slot` [N (k + 1)])."""
+    n = v.accepted.shape[0]
+    slot = sample_slot.reshape(n, k + 1)[:, 0]
+    kept = drawn.reshape(n, k + 1)[jnp.arange(n), v.accepted]
+    verdicts = verdicts.at[:, slot].set(jnp.stack([v.accepted, v.num_drafts]), mode="drop")
+    return last_token.at[slot].set(kept, mode="drop"), verdicts
+
+
+def follow(x, verdicts, k: int):
+    """(delta, made, init_slots), i32 [N], from the step's inputs `x` (runner.StepInputs)
+    and the verdicts `keep` stored: for a sequence that continues a step in flight (the
+    host schedules it from that step's first token, as if it accepted nothing), the drafts
+    that step accepted, by which its start moves, the drafts its draft program made, which
+    this step verifies (those it feeds past them are not drafts), and the state row after
+    its accepted ones (`x.resume_rows` by accepted count); 0, k and `x.init_slots` for any
+    other."""
+    slot = jnp.clip(x.slots, 0, verdicts.shape[1] - 1)
+    follows = x.follows > 0
+    delta = jnp.where(follows, verdicts[0, slot], 0)
+    resumed = jnp.take_along_axis(x.resume_rows, delta[:, None], axis=1)[:, 0]
+    return (delta, jnp.where(follows, verdicts[1, slot], k),
+            jnp.where(follows, resumed, x.init_slots))
+
+
+def verified_drafts(fed, verify_index, made, k: int):
+    """i32 [N (k + 1)]: the draft token each logits row verifies, -1 where it verifies
+    none (no draft there, or one past the `made` [N] drafts the last draft program made)."""
+    r = jnp.arange(verify_index.shape[0]) % (k + 1)
+    real = (verify_index >= 0) & (r < jnp.repeat(made, k + 1))
+    return jnp.where(real, fed[jnp.maximum(verify_index, 0)], -1)
+
+
 def head_inputs(x: DraftSource, fed, drawn, accepted, num_drafts, k: int, num_slots: int
                 ) -> DraftInputs:
     """The draft program's inputs, on the device, from the step's inputs `x`, its fed
@@ -126,7 +163,7 @@ def _draft(graphdef, treedef, mtp_graphdef, mtp_treedef, num_blocks, block_size,
            leaves, mtp_leaves, kv, drafts, hidden, fed, delta, drawn, v: Verdict, step):
     """(kv, drafts, done): the head's KV written at the step's known positions, the drafts,
     and a small array of its own the step fence polls (the others are donated onward).
-    ``delta``: how far each sequence moved on the device (runner._follow)."""
+    ``delta``: how far each sequence moved on the device (`follow`)."""
     step = step._replace(start_pos=step.start_pos + delta)
     x = head_inputs(step, fed, drawn, v.accepted, v.num_drafts, k, num_slots)
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))

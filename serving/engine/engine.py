@@ -30,7 +30,7 @@ the draft program over what was accepted. How many drafts a verify step accepts 
 where the next step starts, and the host learns it one step late; so the scheduler
 counts a verify step's drafts as rejected until then, and a step scheduled while the
 one before it is in flight (`ScheduledSeq.follows`) moves on the device by that step's
-accepted count: its start, positions and initial GDN state (runner.py, `_follow`), and
+accepted count: its start, positions and initial GDN state (`drafter.follow`), and
 it verifies only the drafts that step's draft program made. Its blocks also cover the
 positions the drafts in flight may add. A row's token is drawn as without
 drafts (the sampler's draw is a function of the request's seed and the position), and

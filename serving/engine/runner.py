@@ -27,7 +27,7 @@ the host tokens. Each step writes its sampled tokens there for the sequences
 whose chunk reached the end of their known tokens. With drafts the token written is the
 one a sequence keeps after its accepted drafts, and a per-slot verdict buffer beside it
 (`verdicts`: drafts accepted, drafts made) tells the next step how far the sequence
-moved (`_follow`), which the host learns only when it processes the step.
+moved (`drafter.follow`), which the host learns only when it processes the step.
 """
 
 import dataclasses
@@ -47,7 +47,7 @@ from tqdm import tqdm
 from qwen35_jax.sharding import mesh_of, replicated
 
 from serving.engine.buckets import Buckets
-from serving.engine.drafter import verdict
+from serving.engine.drafter import follow, keep, verdict, verified_drafts
 from serving.engine.sampler import SAMPLER_MODES, SampleResult, SamplingArrays, sample
 from serving.engine.scheduler import SchedulerOutput
 
@@ -83,16 +83,14 @@ def _forward(graphdef, treedef, batch_type, k, leaves, cache, last_token, drafts
              x: StepInputs, is_decode: bool):
     """(cache, logits), and with k drafts a sequence (a drafter reads them) the normalised
     hidden state of every token, the tokens the step fed, the draft each logits row
-    verifies (-1: none) and how far each sequence moved on the device (`_follow`)."""
+    verifies (-1: none) and how far each sequence moved on the device (`drafter.follow`)."""
     tokens = jnp.where(x.from_slot >= 0, last_token[jnp.maximum(x.from_slot, 0)], x.tokens)
     tokens = jnp.where(x.from_draft >= 0, drafts.reshape(-1)[jnp.maximum(x.from_draft, 0)],
                        tokens)
     start_pos, init_slots = x.start_pos, x.init_slots
     if k:
-        delta, made = _follow(x, verdicts, k)
+        delta, made, init_slots = follow(x, verdicts, k)
         start_pos = start_pos + delta
-        init_slots = jnp.where(x.follows > 0, jnp.take_along_axis(
-            x.resume_rows, delta[:, None], axis=1)[:, 0], init_slots)
     batch = batch_type(tokens=tokens, cu_seqlens=x.cu_seqlens, start_pos=start_pos,
                        slots=x.slots, block_tables=x.block_tables,
                        logits_indices=x.logits_indices, init_slots=init_slots,
@@ -104,39 +102,22 @@ def _forward(graphdef, treedef, batch_type, k, leaves, cache, last_token, drafts
         return cache, logits
     h, cache = model.hidden(batch, cache)
     h = model.norm(h)
-    r = jnp.arange(x.verify_index.shape[0]) % (k + 1)  # the draft a row verifies
-    real = (x.verify_index >= 0) & (r < jnp.repeat(made, k + 1))
-    drafted = jnp.where(real, tokens[jnp.maximum(x.verify_index, 0)], -1)
+    drafted = verified_drafts(tokens, x.verify_index, made, k)
     return cache, model.head(h[batch.logits_indices]), h, tokens, drafted, delta
-
-
-def _follow(x: StepInputs, verdicts, k: int):
-    """(delta, made), i32 [N]: for a sequence that continues a step in flight (the host
-    schedules it from that step's first token, as if it accepted nothing), the drafts that
-    step accepted, by which its start moves, and the drafts its draft program made, which
-    this step verifies (those it feeds past them are not drafts); 0 and k for any other."""
-    slot = jnp.clip(x.slots, 0, verdicts.shape[1] - 1)
-    follows = x.follows > 0
-    return jnp.where(follows, verdicts[0, slot], 0), jnp.where(follows, verdicts[1, slot], k)
 
 
 def _sample(num_top, k, logits, last_token, verdicts, sampling: SamplingArrays, sample_slot,
             drafted, draft_room, delta, mode):
     """The sampler; with k drafts a sequence, its `drafter.verdict` too, kept by slot for
-    the step after (`_follow`) with the token the next step feeds (the first drawn one
-    that is no accepted draft). ``delta``: how far each sequence moved on the device."""
+    the step after (`drafter.keep`). ``delta``: how far each sequence moved on the device
+    (`drafter.follow`)."""
     if not k:
         out = sample(logits, sampling, num_top, mode)
         return last_token.at[sample_slot].set(out.token, mode="drop"), verdicts, out
-    n = delta.shape[0]
     sampling = dataclasses.replace(sampling, position=sampling.position + jnp.repeat(delta, k + 1))
     out = sample(logits, sampling, num_top, mode)
     out.verdict = verdict(out.token, drafted, draft_room - delta, k)
-    slot = sample_slot.reshape(n, k + 1)[:, 0]
-    kept = out.token.reshape(n, k + 1)[jnp.arange(n), out.verdict.accepted]
-    verdicts = verdicts.at[:, slot].set(
-        jnp.stack([out.verdict.accepted, out.verdict.num_drafts]), mode="drop")
-    return last_token.at[slot].set(kept, mode="drop"), verdicts, out
+    return *keep(out.token, out.verdict, sample_slot, last_token, verdicts, k), out
 
 
 class Runner:
@@ -166,7 +147,7 @@ class Runner:
         self.drafter = drafter
         self.k = drafter.k if drafter else 0
         # the draft buffer of a drafter, else a stand-in the programs never read; each
-        # slot's last verdict (accepted, drafts made): `_follow` reads them
+        # slot's last verdict (accepted, drafts made): `drafter.follow` reads them
         self._no_drafts = jnp.zeros((1, 1), jnp.int32, device=rep)
         self.verdicts = jnp.zeros((2, num_slots if drafter else 1), jnp.int32, device=rep)
         self.verify_row = verify_row
