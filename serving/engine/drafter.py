@@ -47,17 +47,16 @@ from qwen35_jax.batch import Batch, StepMeta, step_meta
 from qwen35_jax.sharding import param_shardings, replicated
 
 
-@jax.tree_util.register_dataclass
-@dataclass
-class DraftInputs:
-    """Host-built inputs of one draft program, in the target step's bucket (T, N)."""
-    rows: np.ndarray  # i32 [T]: the target step's hidden row of each head position
-    tokens: np.ndarray  # i32 [T]: the token after each position
-    cu_seqlens: np.ndarray  # i32 [N+1]
-    start_pos: np.ndarray  # i32 [N]: position of each sequence's first head token
-    block_tables: np.ndarray  # i32 [N, M]
-    num_drafts: np.ndarray  # i32 [N]: drafts to make (0: none)
-    slot: np.ndarray  # i32 [N]: row of the draft buffer (num_slots: nowhere)
+class DraftInputs(NamedTuple):
+    """The inputs of one draft program's head, in the target step's bucket (T, N),
+    derived on the device (`head_inputs`)."""
+    rows: jax.Array  # i32 [T]: the target step's hidden row of each head position
+    tokens: jax.Array  # i32 [T]: the token after each position
+    cu_seqlens: jax.Array  # i32 [N+1]
+    start_pos: jax.Array  # i32 [N]: position of each sequence's first head token
+    block_tables: jax.Array  # i32 [N, M]
+    num_drafts: jax.Array  # i32 [N]: drafts to make (0: none)
+    slot: jax.Array  # i32 [N]: row of the draft buffer (num_slots: nowhere)
 
 
 class DraftSource(NamedTuple):
@@ -283,13 +282,14 @@ class Drafter:
     def run(self, kv, hidden, fed, delta, sampled, step):
         """Dispatch the draft program of a step (inputs `step`, fed tokens `fed`, moves
         `delta`, sampler result `sampled` with its verdict) on the KV pool `kv` (donated);
-        returns the pool and the draft buffer (device arrays) without waiting."""
+        returns the pool without waiting. The drafts land in `self.drafts`, and
+        `self.done` is the marker the step fence polls."""
         key = _key(step)
         if key not in self._programs:
             self.compile(kv, hidden, step)
         kv, self.drafts, self.done = self._programs[key](
             *self._args(kv, hidden, step, fed, delta, sampled))
-        return kv, self.drafts
+        return kv
 
     def _args(self, kv, hidden, step, fed=None, delta=None, sampled=None) -> tuple:
         if sampled is None:  # shapes only, to compile

@@ -137,7 +137,7 @@ class Engine(RemoteMemory):
                  c.num_slots)
         self._block_bytes, self._slot_bytes = cache.block_nbytes, cache.slot_nbytes
         self.requests: dict[str, Request] = {}
-        self._inflight: deque = deque()  # (seq, SchedulerOutput, SampleResult, StepInputs)
+        self._inflight: deque = deque()  # (seq, SchedulerOutput, SampleResult)
         self._rng = np.random.default_rng(c.seed)
         self._next_id = 0
         self.idle_timer = IdleTimer() if c.track_device_idle else None
@@ -207,7 +207,7 @@ class Engine(RemoteMemory):
                 self.fence.on_dispatch(self.drafter.done)
             if self.idle_timer:
                 self.idle_timer.on_dispatch(seq, t, out.token)
-            self._inflight.append((seq, sched, out, x))
+            self._inflight.append((seq, sched, out))
             self._count(sched, x)
         run_ahead = self.config.async_scheduling
         keep = 1 if (run_ahead and sched.seqs) else 0
@@ -312,7 +312,7 @@ class Engine(RemoteMemory):
         self.iteration_tokens.observe(sched.num_tokens)
         s["padded_tokens"] += len(x.tokens)
 
-    def _process(self, seq: int, sched, out, x) -> list[RequestOutput]:
+    def _process(self, seq: int, sched, out) -> list[RequestOutput]:
         tokens = np.asarray(out.token)  # waits for this step only
         self.fence.mark_completed(seq)
         want_lp = any(s.sample and s.request.params.logprobs is not None for s in sched.seqs)
@@ -334,6 +334,8 @@ class Engine(RemoteMemory):
             if s.num_drafts:
                 kept = int(accepted[i])
                 self.drafter.accept(req, s, kept, int(verified[i]), self.config.verify_row)
+            else:  # its state after the step is in its slot, whatever it restored from
+                req.verify_state = None
             last = req.in_flight is s  # no later step of req is in flight
             if last:
                 req.in_flight = None

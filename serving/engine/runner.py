@@ -1,6 +1,7 @@
 """Compiled step programs over padded buckets: the model's forward pass, then sampling.
 
-A step is two programs, dispatched back to back without waiting: the forward pass
+A step is two programs (three with a drafter: its draft program follows, drafter.py),
+dispatched back to back without waiting: the forward pass
 (one traced function for both kinds; the static `is_decode` flag selects the model's
 recurrent GDN path (decode) or its chunked path (prefill, which also carries mixed
 batches)), then the sampler variant the batch needs (`sampler.SamplerMode`, picked on
@@ -351,8 +352,8 @@ class Runner:
                                 for a in range(self.k + 1)]
 
     def run(self, x: StepInputs, is_decode: bool) -> SampleResult:
-        """Dispatch one step (forward pass, then sampler); returns device arrays without
-        waiting."""
+        """Dispatch one step (forward pass, sampler, and a drafter's draft program); returns
+        the sampler's device arrays without waiting."""
         key = (is_decode, len(x.tokens), len(x.start_pos))
         if key not in self._programs:  # outside the buckets: the compile guard reports it
             self._programs[key] = self._lower(*key).compile()
@@ -363,7 +364,7 @@ class Runner:
             return self._run_sampler(x, x.sampling.mode(), logits)
         hidden, fed, drafted, delta = extra  # a speculative engine's: the draft program follows
         out = self._run_sampler(x, x.sampling.mode(), logits, drafted, delta)
-        kv, _ = self.drafter.run(self.cache.kv, hidden, fed, delta, out, x)
+        kv = self.drafter.run(self.cache.kv, hidden, fed, delta, out, x)
         self.cache = self.cache.replace(kv=kv)
         return out
 
