@@ -224,33 +224,36 @@ def test_no_program_rewrites_the_cache_at_one_sequence():
     assert llm.engine.drafter.programs() and not llm.engine.rewrites_whole_cache
 
 
-
-
-@pytest.mark.parametrize("run_ahead", [False, True])
-def test_drafts_cut_by_the_budget_keep_outputs_exact(prompts, reference, run_ahead):
+def test_drafts_cut_by_the_budget_keep_outputs_exact(prompts, reference):
     """The tokens a step leaves a decoding sequence depend on the others in it: the last
     ones get fewer drafts, none, or sit the step out. Here the budget itself cycles
-    through k + 1, 1 and 0 tokens once every prompt is in: a verify step (the state after a rejected draft kept
-    in a verify row), a step without drafts, a step left out. Each step starts from the
-    state the one before left, and the outputs are the ones without drafts."""
-    llm = _llm(3, async_scheduling=run_ahead)
-    eng, cut, prepare = llm.engine, [], llm.engine.runner.prepare
+    through k + 1, 1 and 0 tokens once every prompt is in: a verify step (the state
+    after a rejected draft kept in a verify row), a step without drafts, a step left
+    out. Each step starts from the state the one before left, and the outputs are the
+    ones without drafts, each step processed before the next is scheduled and not."""
+    llm = _llm(3)
+    eng, prepare = llm.engine, llm.engine.runner.prepare
+    cut = {False: [], True: []}
 
     def watched(sched):
-        cut.extend(s.sample and not s.num_drafts and (s.restore is not None or bool(s.follows))
-                   for s in sched.seqs)
+        cut[eng.config.async_scheduling].extend(
+            s.sample and not s.num_drafts and (s.restore is not None or bool(s.follows))
+            for s in sched.seqs)
         return prepare(sched)
 
     eng.runner.prepare = watched
-    for name, params in PARAMS.items():
-        ids = [eng.add_request(p, params) for p in prompts[:3]]
-        done, steps = {}, 0
-        while eng.has_unfinished():
-            sch = eng.scheduler  # the prompts at the whole budget, then the cycle
-            decoding = not sch.waiting and all(r.num_generated for r in sch.running)
-            sch.max_num_batched_tokens = (4, 1, 0)[steps % 3] if decoding else LIMITS[
-                "max_num_batched_tokens"]
-            done.update((o.request_id, o) for o in eng.step() if o.finished)
-            steps += 1
-        assert [done[i].token_ids for i in ids] == reference[name][:3], name
-    assert sum(cut) > 0  # steps without drafts after steps with them happened
+    for run_ahead in (False, True):
+        eng.config.async_scheduling = run_ahead  # read at each step
+        for name, params in PARAMS.items():
+            ids = [eng.add_request(p, params) for p in prompts[:3]]
+            done, steps = {}, 0
+            while eng.has_unfinished():
+                sch = eng.scheduler  # the prompts at the whole budget, then the cycle
+                decoding = not sch.waiting and all(r.num_generated for r in sch.running)
+                sch.max_num_batched_tokens = ((4, 1, 0)[steps % 3] if decoding
+                                              else LIMITS["max_num_batched_tokens"])
+                done.update((o.request_id, o) for o in eng.step() if o.finished)
+                steps += 1
+            assert [done[i].token_ids for i in ids] == reference[name][:3], (run_ahead, name)
+        # steps without drafts after steps with them happened
+        assert sum(cut[run_ahead]) > 0, run_ahead
