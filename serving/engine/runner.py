@@ -1,16 +1,16 @@
 """Compiled step programs over padded buckets: the model's forward pass, then sampling.
 
 A step is two programs (three with a drafter: its draft program follows, drafter.py),
-dispatched back to back without waiting: the forward pass
-(one traced function for both kinds; the static `is_decode` flag selects the model's
-recurrent GDN path (decode) or its chunked path (prefill, which also carries mixed
-batches)), then the sampler variant the batch needs (`sampler.SamplerMode`, picked on
-the host; why not a `lax.cond` inside one program: sampler.py). Every (is_decode, T, N)
-forward bucket and every sampler variant for each bucket's N are lowered, compiled
-ahead of time (in parallel threads: XLA compiles release the GIL) and run once at
-start-up on an all-padding batch, which writes nothing. Steps call the compiled
-executables directly, so nothing can silently retrace; a shape outside the table is
-compiled on the spot and the compile guard reports it.
+dispatched back to back without waiting: the forward pass (one traced function for both
+kinds; the static `is_decode` flag selects the model's recurrent GDN path (decode) or
+its chunked path (prefill, which also carries mixed batches)), then the sampler variant
+the batch needs (`sampler.SamplerMode`, picked on the host; why not a `lax.cond` inside
+one program: sampler.py). Every (is_decode, T, N) forward bucket and every sampler
+variant for each bucket's N are lowered, compiled ahead of time (in parallel threads:
+XLA compiles release the GIL) and run once at start-up on an all-padding batch, which
+writes nothing. Steps call the compiled executables directly, so nothing can silently
+retrace; a shape outside the table is compiled on the spot and the compile guard reports
+it.
 
 The cache pytree and a per-slot "last sampled token" buffer are donated, so
 they are updated in place and keep their device addresses (the transfer layer
