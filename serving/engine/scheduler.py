@@ -86,11 +86,11 @@ class Scheduler:
                  block_size: int, blocks: BlockPool, slots: SlotPool, fence: StepFence,
                  prefix: PrefixCache | None = None, longest_prefix_first: bool = False,
                  num_speculative_tokens: int = 0, verify_row=None):
-        """`num_speculative_tokens` k: a decoding request with drafts (`Request.num_drafts`:
-        what its last draft program made, or k while the step that runs it is in flight)
-        feeds its last token and up to k drafts, and its GDN
-        state after each fed token but the last is kept in row `verify_row(slot, r)`
-        (r < k), so the engine can resume from the state after the accepted ones."""
+        """`num_speculative_tokens` k: a decoding request with drafts
+        (`Request.num_drafts`: what its last draft program made, or k while the step
+        that runs it is in flight) feeds its last token and up to k drafts, and its GDN
+        state after each fed token but the last is kept in row `verify_row(slot, r)` (r
+        < k), so the engine can resume from the state after the accepted ones."""
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
