@@ -118,8 +118,8 @@ def _oracle(cu, q, k, v, g, beta, init):
                               dk ** -0.5, True)
 
 
-ENDS = [16, 32, 64, 65, 66, 100, 196, 0, 500]  # two in one block, on the grid, at
-# sequence ends, a one-token sequence's, and two in no sequence
+ENDS = [16, 32, 64, 65, 66, 100, 196, 0, 500, 65]  # two in one block, on the grid, at
+# sequence ends, a one-token sequence's, two in no sequence, and one asked for twice
 
 
 def test_snapshot_table_puts_each_end_in_the_block_holding_its_last_token():
@@ -129,7 +129,7 @@ def test_snapshot_table_puts_each_end_in_the_block_holding_its_last_token():
     gam = jnp.arange(C * 2 * 64, dtype=jnp.float32).reshape(C, 2, 64)
     t = {k: np.asarray(v) for k, v in mgpu_tables.snapshot_table(tab, gam, jnp.asarray(ENDS)).items()}
     start, lo, hi = (np.asarray(tab[k]) for k in ("start", "lo", "hi"))
-    assert t["ok"].tolist() == [True] * 7 + [False] * 2
+    assert t["ok"].tolist() == [True] * 7 + [False] * 2 + [True]
     seen = []
     for c in range(C):
         assert t["lo"][c] <= t["hi"][c]
@@ -138,8 +138,8 @@ def test_snapshot_table_puts_each_end_in_the_block_holding_its_last_token():
             assert start[c] + r == e and lo[c] < r <= hi[c]
             np.testing.assert_array_equal(t["gamma"][j], np.asarray(gam)[c, :, r - 1])
             seen.append(t["row"][j])
-    assert sorted(seen) == list(range(7))  # each valid end once, the others nowhere
-    assert t["hi"][-1] == 7
+    assert sorted(seen) == [*range(7), 9]  # each valid end once, the others nowhere
+    assert t["hi"][-1] == 8
 
 
 @pytest.mark.gpu

@@ -222,7 +222,8 @@ def test_prefill_inverse_correlated_keys():
 
 
 # snapshot ends: inside chunks, on a chunk boundary, at a sequence's end, one token in,
-# in a zero-length sequence, in the padding, negative
+# in a zero-length sequence, in the padding, negative, and ends asked for twice (a
+# verify row and a prefix snapshot at one position)
 SNAPSHOT_LENS = [70, 5, 0, 150]
 
 
@@ -235,8 +236,8 @@ def test_prefill_snapshots_are_the_states_of_the_truncated_sequences(backend):
     T = int(cu[-1]) + 9
     q, k, v, g, beta = make_inputs(rng, 1, T, Hk, Hv, dk, dv, jnp.float32, True)
     init = jnp.asarray(rng.standard_normal((len(lens), Hv, dk, dv)) * 0.5, jnp.float32)
-    ends = np.array([16, 64, 70, 72, 75, 76, 75 + 128, 75 + 150, 75 + 151, -1, 0, 5000],
-                    np.int32)
+    ends = np.array([16, 64, 70, 72, 75, 76, 75 + 128, 75 + 150, 75 + 151, -1, 0, 5000,
+                     72, 16, 75 + 128, 0], np.int32)
     fn = jax.jit(lambda cu_, e, *a: gdn_prefill(*a, initial_state=init, cu_seqlens=cu_,
                                                 use_qk_l2norm=True, snapshot_ends=e,
                                                 backend=backend, config=dict(bv=16)))

@@ -101,6 +101,31 @@ def test_a_prompt_of_whole_blocks_repeated_computes_its_last_block():
         eng.close()
 
 
+def test_a_step_never_takes_one_snapshot_row_twice():
+    """Two snapshot rows, and a step whose prompts pass more snapshot points than that
+    (a point every block): the step takes at most two, each in a row of its own (a
+    third would evict a row this step writes, so two states would land in one row under
+    one key). The prompts' follow-ups restore what the rows hold and stay exact."""
+    eng = make_engine(True, prefix_state_interval=1, num_prefix_snapshots=2)
+    taken, prepare = [], eng.runner.prepare
+
+    def watched(sched):
+        taken.append([row for s in sched.seqs for _, row in s.snapshots])
+        return prepare(sched)
+
+    eng.runner.prepare = watched
+    try:
+        prompts = [tokens(12, seed=21), tokens(16, seed=22)]
+        run(eng, prompts)
+        assert max(map(len, taken)) == 2
+        assert all(len(rows) == len(set(rows)) for rows in taken), taken
+        outs = run(eng, [p + tokens(3, seed=23) for p in prompts])
+        assert sum(o.num_cached_tokens for o in outs) > 0
+        assert_all_free(eng)
+    finally:
+        eng.close()
+
+
 def test_the_second_prompt_off_a_shared_prefix_leaves_a_snapshot_where_they_part():
     """Snapshots every 8 blocks: a prompt of 5 shared blocks and its own tail leaves none
     at block 5, so the second prompt off the same 5 blocks matches them but restores

@@ -5,7 +5,9 @@ caching on and off, through preemption, aborts and drafts cut by the step budget
 (float32, the trained tiny-math and its trained head). The drafts of the trained head
 are accepted (it predicts the token after next on answers 99.97 % of the time in
 training), and the tokens kept follow the target distribution (a chi-square test on a
-model of eight tokens, against the distribution the model computes).
+model of four tokens, against the distribution the model computes). tiny-math barely
+reads its GDN recurrent state, so one test runs the random tiny model, which reads it,
+with drafts forced to be partly right.
 """
 
 from __future__ import annotations
@@ -162,6 +164,60 @@ def test_kept_tokens_follow_the_target_distribution():
     chi2 = float(((observed - expected) ** 2 / expected).sum())
     assert len(seconds) >= 100 and expected.min() >= 5, (observed, expected)
     assert chi2 < 16.27, (chi2, observed, expected)  # p = 0.001
+
+
+def test_a_random_models_gdn_state_survives_verify_rows_and_prefix_snapshots():
+    """tiny-math barely reads its GDN recurrent state (zeroing a request's mid-answer
+    moves its logprobs by ~1e-6), so the tests above check the conv state only. The
+    random tiny model reads both. Here its drafts are the reference's own tokens with
+    one made wrong, its place cycling, so a step keeps 0 to k of them; with prefix
+    caching on, a decoding sequence whose block fills in a step that also carries a
+    prompt asks for a prefix snapshot where its first verify row ends (the GDN walks
+    stored one state for such a pair and left the other row zero). Greedy tokens and
+    their logprobs are the ones without drafts."""
+    k = 3
+    kw = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, block_size=16,
+              async_scheduling=False)  # the host knows every position to force drafts at
+    rng = np.random.default_rng(1)
+    ref = LLM("tiny", enable_prefix_caching=False, **kw)
+    vocab = ref.engine.vocab_size
+    prompts = [rng.integers(0, vocab, int(rng.integers(27, 33))).tolist() for _ in range(16)]
+    params = [SamplingParams(max_tokens=20 + 7 * (i % 7), temperature=0, logprobs=0,
+                             ignore_eos=True) for i in range(16)]
+    want = ref.generate(prompts, params)
+    llm = LLM("tiny", speculative_config={"method": "mtp", "num_speculative_tokens": k},
+              enable_prefix_caching=True, **kw)
+    eng, prepare = llm.engine, llm.engine.runner.prepare
+    ids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+    full = {i: p + w.token_ids for i, p, w in zip(ids, prompts, want)}
+    shared_ends, steps = 0, [0]
+
+    def forced(sched):
+        nonlocal shared_ends
+        steps[0] += 1
+        for s in sched.seqs:
+            if s.num_drafts:
+                at = s.start + s.num_tokens - s.num_drafts  # the first draft's position
+                drafts = full[s.request.request_id][at:at + s.num_drafts]
+                wrong = (steps[0] + ids.index(s.request.request_id)) % (k + 1)
+                if wrong < len(drafts):
+                    drafts[wrong] = (drafts[wrong] + 1) % vocab
+                s.draft_tokens = drafts
+            ends = [position for position, _ in s.snapshots]
+            shared_ends += len(ends) != len(set(ends))
+        return prepare(sched)
+
+    eng.runner.prepare = forced
+    done = {}
+    while eng.has_unfinished():
+        done.update((o.request_id, o) for o in eng.step() if o.finished)
+    m = llm.metrics()
+    assert shared_ends > 0 and all(m["spec_decode_num_accepted_tokens_per_pos"]), (shared_ends, m)
+    for i, w in zip(ids, want):
+        assert done[i].token_ids == w.token_ids, i
+        got = [lp[t] for lp, t in zip(done[i].logprobs, w.token_ids)]
+        np.testing.assert_allclose(got, [lp[t] for lp, t in zip(w.logprobs, w.token_ids)],
+                                   atol=1e-4)
 
 
 def test_speculative_config_is_checked():

@@ -21,7 +21,8 @@ def gdn_prefill(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=
 
     snapshot_ends (int32 [S], traced values allowed): packed token indices e; the
     state after a sequence's tokens before e (cu[n] < e <= cu[n+1]) is returned as a
-    third output, float32 [S,Hv,dk,dv], zero for an e inside no sequence.  The walk
+    third output, float32 [S,Hv,dk,dv], zero for an e inside no sequence; an e given
+    more than once gets the state at each of its places.  The walk
     over chunks ends a chunk at each e and stores the state it carries there: a
     prefix cache's GDN snapshots at block boundaries cost no second pass.
     """

@@ -46,8 +46,8 @@ except Exception:  # pragma: no cover
     plt = None
 
 from . import mgpu
-from .reference import (CHUNK, chunk_table, locate_snapshots, normalize_cu_seqlens, _check_shapes,
-                        _default_scale)
+from .reference import (CHUNK, chunk_table, distinct_snapshot_ends, locate_snapshots,
+                        normalize_cu_seqlens, _check_shapes, _default_scale)
 
 _HI = lax.Precision.HIGHEST
 
@@ -317,6 +317,9 @@ def gdn_prefill_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
             return out
         o, fin, *snaps = out
         return (o.reshape(B, T, Hv, dv), (fin if output_final_state else None), *snaps)
+    first = None
+    if snapshot_ends is not None:  # the walk stores one row per chunk end
+        snapshot_ends, first = distinct_snapshot_ends(snapshot_ends)
     tab = chunk_table(cu, TT, CHUNK, snapshot_ends)
     C = tab["c_max"]
     n_snap = 0 if snapshot_ends is None else snapshot_ends.shape[0]
@@ -363,4 +366,4 @@ def gdn_prefill_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
         return o, fin
     # rows no chunk emits (ends outside every sequence) are zero, as the references'
     _, ok = locate_snapshots(cu, TT, snapshot_ends)
-    return o, fin, jnp.where(ok[:, None, None, None], snaps[0], 0.0)
+    return o, fin, jnp.where(ok[:, None, None, None], snaps[0], 0.0)[first]

@@ -130,6 +130,24 @@ def locate_snapshots(cu, total_tokens, ends):
     return seq, ok
 
 
+def distinct_snapshot_ends(ends):
+    """(ends with every repeat moved into no sequence, first [S]: the index of each
+    end's first occurrence). A walk that stores its state into one row per chunk end
+    (the references, the Triton kernel) runs on the distinct ends and returns
+    ``snaps[first]``, so an end asked for twice (a verify row and a prefix snapshot at
+    one position) fills both rows. 0 is in no sequence (``locate_snapshots``)."""
+    e = jnp.asarray(ends).astype(jnp.int32)
+    i = jnp.arange(e.shape[0], dtype=jnp.int32)
+    if e.shape[0] == 0:
+        return e, i
+    order = jnp.argsort(e, stable=True).astype(jnp.int32)
+    es = e[order]
+    starts = jnp.concatenate([jnp.ones((1,), bool), es[1:] != es[:-1]])
+    run = lax.cummax(jnp.where(starts, i, 0))  # sorted position of each run's first
+    first = jnp.zeros_like(i).at[order].set(order[run])
+    return jnp.where(first == i, e, 0), first
+
+
 def snapshot_chunk_table(cu, total_tokens, chunk, breaks):
     """``chunk_table`` whose chunks also end at every snapshot end in `breaks` (int32
     [S], packed exclusive token ends; see ``locate_snapshots``; others are ignored), so
@@ -200,9 +218,11 @@ def gdn_recurrent_reference(q, k, v, g, beta, *, scale=None, initial_state=None,
 
     S_snap = 0 if snapshot_ends is None else snapshot_ends.shape[0]
     emit = jnp.full((TT,), -1, jnp.int32)
-    if S_snap:
-        _, ok = locate_snapshots(cu, TT, snapshot_ends)
-        emit = emit.at[jnp.where(ok, snapshot_ends - 1, TT)].set(
+    first = None
+    if snapshot_ends is not None:
+        ends, first = distinct_snapshot_ends(snapshot_ends)
+        _, ok = locate_snapshots(cu, TT, ends)
+        emit = emit.at[jnp.where(ok, ends - 1, TT)].set(
             jnp.arange(S_snap, dtype=jnp.int32), mode="drop")
 
     def step(carry, xs):
@@ -227,11 +247,13 @@ def gdn_recurrent_reference(q, k, v, g, beta, *, scale=None, initial_state=None,
         step, (S0, init, snaps0),
         (qf, kf, vf, gf, bf, seq_c, valid, is_first, is_last, jnp.where(emit < 0, S_snap, emit)))
     o = o.reshape(B, T, Hv, dv).astype(v.dtype)
-    return _with_snapshots(o, finals if output_final_state else None, snaps, snapshot_ends)
+    return _with_snapshots(o, finals if output_final_state else None, snaps, first)
 
 
-def _with_snapshots(o, final, snaps, ends):
-    return (o, final) if ends is None else (o, final, snaps)
+def _with_snapshots(o, final, snaps, first):
+    """The outputs, with the snapshots of repeated ends filled from their first
+    (``distinct_snapshot_ends``) when snapshots were asked for."""
+    return (o, final) if first is None else (o, final, snaps[first])
 
 
 # ----------------------------------------------------------------------------
@@ -268,6 +290,9 @@ def gdn_chunked_reference(q, k, v, g, beta, *, scale=None, initial_state=None,
     r = Hv // Hk
     cu, N = normalize_cu_seqlens(B, T, cu_seqlens)
     TT = B * T
+    first = None
+    if snapshot_ends is not None:
+        snapshot_ends, first = distinct_snapshot_ends(snapshot_ends)
     tab = chunk_table(cu, TT, chunk, snapshot_ends)
     C = tab["c_max"]
     L = chunk
@@ -328,7 +353,7 @@ def gdn_chunked_reference(q, k, v, g, beta, *, scale=None, initial_state=None,
     out = jnp.zeros((TT + 1, Hv, dv), jnp.float32).at[idx.reshape(-1)].set(
         oc.reshape(C * L, Hv, dv), mode="drop")
     o = out[:TT].reshape(B, T, Hv, dv).astype(v.dtype)
-    return _with_snapshots(o, finals if output_final_state else None, snaps, snapshot_ends)
+    return _with_snapshots(o, finals if output_final_state else None, snaps, first)
 
 
 # ----------------------------------------------------------------------------

@@ -377,7 +377,8 @@ class Scheduler:
 
     def _register(self, out: SchedulerOutput) -> None:
         """Register the blocks the step fills and pick the snapshots its prefill chunks
-        take (as many as its bucket holds: each request's best point first, then each
+        take (as many as its bucket holds and no more than there are snapshot rows, so no
+        take evicts a row this step writes: each request's best point first, then each
         one's second, and so on; `PrefixCache.snapshot_points` orders them)."""
         p = self.prefix
         for s in out.seqs:
@@ -386,7 +387,8 @@ class Scheduler:
             points = [(rank, i, pos) for i, s in enumerate(out.seqs)
                       for rank, pos in enumerate(p.snapshot_points(s.request, s.start,
                                                                    s.num_tokens, self.waiting))]
-            for _, i, pos in sorted(points)[:p.per_step(out.num_tokens, len(out.seqs))]:
+            room = min(p.per_step(out.num_tokens, len(out.seqs)), p.rows.n)
+            for _, i, pos in sorted(points)[:room]:
                 s = out.seqs[i]
                 s.snapshots.append((pos, p.snapshot_row(s.request, pos)))
         p.commit()
