@@ -188,7 +188,7 @@ def fill_as_a_transfer(engine, prompt, blocks, slot, skip=0):
     kv[:len(prompt)] = prompt
     fill = jax.jit(lambda c, b, v, s, hv: FakeCache(c.kv.at[b].set(v), c.ssm.at[s].set(hv)),
                    donate_argnums=0)
-    engine.runner.cache = fill(engine.runner.cache, np.asarray(blocks[skip:]),
+    engine.runner.cache = fill(engine.runner.cache, np.asarray(blocks[skip:], np.int32),
                                kv.reshape(-1, BLOCK)[skip:], slot, h)
 
 

@@ -7,9 +7,9 @@ the design says; every block and snapshot must come back."""
 import numpy as np
 import pytest
 
-from test_engine_fake import (BLOCK, NUM_BLOCKS, SLOTS, VOCAB, assert_all_free, make_engine,
-                              reset_and_check)
-from test_engine_fake_model import reference_greedy
+from test_engine_fake import (BLOCK, NUM_BLOCKS, SLOTS, VOCAB, assert_all_free,
+                              fill_as_a_transfer, make_engine, reset_and_check)
+from test_engine_fake_model import reference_greedy, reference_next
 from serving.engine import SamplingParams
 from serving.engine.block_pool import BlockPool
 
@@ -121,6 +121,63 @@ def test_a_step_never_takes_one_snapshot_row_twice():
         assert all(len(rows) == len(set(rows)) for rows in taken), taken
         outs = run(eng, [p + tokens(3, seed=23) for p in prompts])
         assert sum(o.num_cached_tokens for o in outs) > 0
+        assert_all_free(eng)
+    finally:
+        eng.close()
+
+
+def test_prompts_computing_one_prefix_in_one_step_share_its_snapshot_row():
+    """fcfs: a prompt sent twice at once is computed twice in one step, and both pass
+    the same snapshot points; each point takes one row, so every row stays in use (a
+    second take of a key lost the row the first took) and later steps still take at most
+    one snapshot a row: a follow-up hits what its row holds."""
+    eng = make_engine(True, prefix_state_interval=1, num_prefix_snapshots=4,
+                      scheduling_policy="fcfs")
+    try:
+        for seed in range(31, 34):
+            p = tokens(13, seed=seed)
+            run(eng, [p, p])
+        assert len(eng.prefix.rows) == 4
+        for seed in range(41, 44):
+            a, b = tokens(9, seed=seed), tokens(5, seed=seed + 10)
+            run(eng, [a, b])
+            assert run(eng, [a[:4] + tokens(7, seed=seed + 20)])[0].num_cached_tokens == 4
+        assert_all_free(eng)
+    finally:
+        eng.close()
+
+
+def test_landed_bytes_enter_the_prefix_cache_only_once_confirmed():
+    """The decode side: a request decodes from a READ that landed before its source
+    confirmed the bytes, which may be stale (here another prompt's). None of its blocks
+    is registered until `confirm_transfer`: one whose ack said stale (aborted) leaves
+    nothing a later request of the same prompt shares, so that one pulls every block and
+    decodes the reference; once confirmed, the next one shares them."""
+    eng = make_engine(True, prefix_state_interval=2)
+
+    def pull(prompt, fill, confirm):
+        rid = eng.add_remote_request(p, reference_next(p, VOCAB), GREEDY)
+        [(_, blocks, slot, shared, _)] = eng.reserve_transfers()
+        fill_as_a_transfer(eng, fill, blocks, slot, skip=shared)
+        eng.finish_transfer(rid, ok=True, confirmed=False)
+        eng.step()  # decodes from the landed bytes
+        if confirm:
+            eng.confirm_transfer(rid)
+        else:
+            eng.abort(rid)  # the ack said stale
+        done = {}
+        while eng.has_unfinished():
+            done.update((o.request_id, o) for o in eng.step() if o.finished)
+        return shared, done.get(rid)
+
+    try:
+        p = tokens(20, seed=6)
+        assert pull(p, tokens(20, seed=99), confirm=False)[0] == 0
+        shared, out = pull(p, p, confirm=True)
+        assert shared == 0 and out.token_ids == reference_greedy(p, GREEDY.max_tokens, VOCAB)
+        shared, out = pull(p, p, confirm=True)
+        assert shared > 0 and out.token_ids == reference_greedy(p, GREEDY.max_tokens, VOCAB)
+        eng.fence.wait_all()
         assert_all_free(eng)
     finally:
         eng.close()

@@ -11,8 +11,8 @@ The loop (``serving.async_engine.AsyncEngine``) calls, all on the engine thread:
 * ``tick(engine)`` before every iteration, and on an idle engine when woken
   (``AsyncEngine.wake``): transfer events in (leases freed, READs landed, pulls done),
   pulls out, through the engine's transfer methods (``reserve_transfers``,
-  ``finish_transfer``, ``abandon_transfer``, ``free_memory``, ``held_memory``,
-  ``release``, ``abort``).
+  ``finish_transfer``, ``confirm_transfer``, ``abandon_transfer``, ``free_memory``,
+  ``held_memory``, ``release``, ``abort``).
 * ``on_stop(error)`` once, when the loop stops, after every stream has been failed:
   to end what only the engine thread would have ended.
 

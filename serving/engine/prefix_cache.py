@@ -75,7 +75,8 @@ class SnapshotRows:
         return row
 
     def take(self, key: bytes) -> int:
-        """A row for a new snapshot named `key` (an unused one, else the LRU's)."""
+        """A row for a new snapshot named `key`, which has none (an unused one, else the
+        LRU's)."""
         row = self._unused.pop() if self._unused else self._row.popitem(last=False)[1]
         self._row[key] = row
         return row
@@ -175,7 +176,10 @@ class PrefixCache:
 
     def stage_blocks(self, req: Request, num_written: int) -> None:
         """Register `req`'s blocks that the step being scheduled (or an earlier one)
-        fills, up to `num_written` tokens, as far as their tokens are known."""
+        fills, up to `num_written` tokens, as far as their tokens are known; none while
+        the bytes a transfer landed in them are unconfirmed (`transfer_unconfirmed`)."""
+        if req.transfer_unconfirmed:
+            return
         keys = self.keys(req, num_written)
         for j in range(req.num_registered_blocks, len(keys)):
             self._staged.append((keys[j], req.block_ids[j]))
@@ -214,10 +218,13 @@ class PrefixCache:
                 out.add(j)
         return sorted(out, reverse=True)
 
-    def snapshot_row(self, req: Request, position: int) -> int:
-        """A row for the snapshot of `req`'s state at block boundary `position`. Called
-        after the pass's lookups, so the pass's own steps never read it."""
-        return self.rows.take(req.block_keys[position // self.block_size - 1])
+    def snapshot_row(self, req: Request, position: int) -> int | None:
+        """A row for the snapshot of `req`'s state at block boundary `position`, or None
+        where its key has one: another sequence of this pass computes the same prefix
+        and took it first (`snapshot_points` leaves out keys with rows before the pass's
+        takes). Called after the pass's lookups, so the pass's own steps never read it."""
+        key = req.block_keys[position // self.block_size - 1]
+        return None if key in self.rows else self.rows.take(key)
 
     def commit(self) -> None:
         """Make this pass's block registrations visible to later passes' lookups. A block

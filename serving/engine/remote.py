@@ -76,13 +76,22 @@ class RemoteMemory:
                             r.num_prompt_tokens)
                 for r in self.scheduler.reserve_transfers()]
 
-    def finish_transfer(self, request_id: str, ok: bool = True) -> None:
+    def finish_transfer(self, request_id: str, ok: bool = True, confirmed: bool = True) -> None:
         """The transfer into the request's memory completed (ok) or failed (the
-        prompt is then recomputed locally, in the same memory)."""
+        prompt is then recomputed locally, in the same memory). `confirmed` False: its
+        bytes landed but the source has yet to confirm them (`confirm_transfer`): the
+        request decodes, and none of its blocks enters the prefix cache until then."""
         req = self.requests[request_id]
-        self.scheduler.end_transfer(req, ok)
+        self.scheduler.end_transfer(req, ok, confirmed)
         if req.is_finished:
             self.requests.pop(request_id, None)
+
+    def confirm_transfer(self, request_id: str) -> None:
+        """The source confirmed the landed bytes of a request `finish_transfer` started
+        unconfirmed (nothing to do if it has finished meanwhile)."""
+        req = self.requests.get(request_id)
+        if req is not None:
+            self.scheduler.confirm_transfer(req)
 
     def abandon_transfer(self, request_id: str) -> tuple[list[int], int | None]:
         """The transfer into the request's memory failed and may still be writing it:

@@ -54,6 +54,9 @@ class Request:
     # admission found cached, the end of the cached blocks it matched
     block_keys: list[bytes] = field(default_factory=list)
     num_registered_blocks: int = 0
+    # decoding from transferred bytes whose source has not yet confirmed them (a stale
+    # READ fails the request): registers no block until then
+    transfer_unconfirmed: bool = False
     num_cached_tokens: int | None = None
     divergence: int | None = None  # where its prompt leaves the longest cached one
     # speculative decoding: drafts waiting in the draft buffer for the next step (with a

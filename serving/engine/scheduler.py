@@ -207,9 +207,12 @@ class Scheduler:
         self.transferring[req.request_id] = req
         return True
 
-    def end_transfer(self, req: Request, ok: bool) -> None:
-        """The transfer into `req`'s memory has completed (or failed)."""
+    def end_transfer(self, req: Request, ok: bool, confirmed: bool = True) -> None:
+        """The transfer into `req`'s memory has completed (or failed); `confirmed` False:
+        its bytes landed, and the source's word that they were not stale is still to come
+        (`confirm_transfer`), so the request may decode but registers no block."""
         del self.transferring[req.request_id]
+        req.transfer_unconfirmed = ok and not confirmed
         if req.is_finished:  # aborted while the transfer was writing
             self.release(req)
             return
@@ -224,6 +227,11 @@ class Scheduler:
         req.num_computed_tokens = req.num_prompt_tokens if ok else 0
         req.status = Status.RUNNING
         self.running.append(req)
+
+    def confirm_transfer(self, req: Request) -> None:
+        """The source confirmed the bytes `req` decodes from: its blocks register from
+        its next step on (or at its finish)."""
+        req.transfer_unconfirmed = False
 
     def abandon_transfer(self, req: Request) -> tuple[list[int], int | None]:
         """The transfer into `req`'s memory failed, and its bytes may still land
@@ -388,9 +396,14 @@ class Scheduler:
                       for rank, pos in enumerate(p.snapshot_points(s.request, s.start,
                                                                    s.num_tokens, self.waiting))]
             room = min(p.per_step(out.num_tokens, len(out.seqs)), p.rows.n)
-            for _, i, pos in sorted(points)[:room]:
+            for _, i, pos in sorted(points):
+                if room == 0:
+                    break
                 s = out.seqs[i]
-                s.snapshots.append((pos, p.snapshot_row(s.request, pos)))
+                row = p.snapshot_row(s.request, pos)
+                if row is not None:
+                    s.snapshots.append((pos, row))
+                    room -= 1
         p.commit()
 
     def _remaining(self, req: Request) -> int:

@@ -157,8 +157,8 @@ class DecodeWorker(WorkerBase):
         completions = self.transfer.collect()
         landed = self.transfer.landed()
         if not self.recompute:  # (a recompute must not follow tokens already computed)
-            for request_id in self.book.landed(landed):
-                eng.finish_transfer(request_id, ok=True)  # decode may start
+            for request_id in self.book.landed(landed):  # decode may start, unconfirmed
+                eng.finish_transfer(request_id, ok=True, confirmed=False)
         for c in completions:
             request_id, started = self.book.completed(c.pull_id)
             if request_id is None:
@@ -173,7 +173,9 @@ class DecodeWorker(WorkerBase):
                 h["transfer_time"].observe(c.seconds)
                 h["transfer_size"].observe(c.nbytes)
                 h["transfer_descs"].observe(c.descriptors)
-                if not started:
+                if started:
+                    eng.confirm_transfer(request_id)
+                else:
                     eng.finish_transfer(request_id, ok=True)
                 self.book.confirm(request_id)
                 continue
