@@ -156,7 +156,7 @@ def test_landed_bytes_enter_the_prefix_cache_only_once_confirmed():
     eng = make_engine(True, prefix_state_interval=2)
 
     def pull(prompt, fill, confirm):
-        rid = eng.add_remote_request(p, reference_next(p, VOCAB), GREEDY)
+        rid = eng.add_remote_request(prompt, reference_next(prompt, VOCAB), GREEDY)
         [(_, blocks, slot, shared, _)] = eng.reserve_transfers()
         fill_as_a_transfer(eng, fill, blocks, slot, skip=shared)
         eng.finish_transfer(rid, ok=True, confirmed=False)
