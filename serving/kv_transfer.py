@@ -47,6 +47,17 @@ from transfer import Region, TransferParamsError
 from transfer.memory import allocate_sharded, device_shards, host_regions
 
 
+# Head parts a layout may split an array into. A split is the size of a mesh's ``tensor``
+# axis, which divides the heads it splits (``qwen35_jax.sharding``): a few in practice.
+# ``stream_items`` builds parts x blocks x rows items on the engine's thread, and a peer's
+# layout of thousands of one-byte parts (``_check_matching`` allows them) would have it
+# build hundreds of millions.
+MAX_PARTS = 64
+# Block and slot ids are int32 in the engine. Below this bound, a unit's byte offset (its
+# id times its bytes, at most this side's own by ``_check_matching``) fits in int64.
+MAX_ID = 2**31
+
+
 @dataclasses.dataclass(frozen=True)
 class CacheLayout:
     """Byte geometry of the cache regions: bytes of one block or slot in one region, rows
@@ -83,19 +94,19 @@ class CacheLayout:
 
     @classmethod
     def from_json(cls, d) -> "CacheLayout":
-        """A peer's layout (``to_json``); ValueError unless it describes whole rows of parts
-        that all have the same number of copies."""
+        """A peer's layout (``to_json``); ValueError unless it describes whole rows of at
+        most ``MAX_PARTS`` parts that all have the same number of copies."""
         fields = [f.name for f in dataclasses.fields(cls)]
         if not isinstance(d, dict) or sorted(d) != sorted(fields):
             raise ValueError(f"a cache layout has the fields {fields}")
         for name in fields:
             value = d[name]
             if name.endswith("_parts"):
-                if not (isinstance(value, (list, tuple)) and value and all(
+                if not (isinstance(value, (list, tuple)) and 0 < len(value) <= MAX_PARTS and all(
                         isinstance(p, (list, tuple)) and p and len(p) == len(value[0])
                         and all(isinstance(r, str) for r in p) for p in value)):
-                    raise ValueError(f"layout {name}: expected parts of equally many region "
-                                     f"names, got {value!r}")
+                    raise ValueError(f"layout {name}: expected 1 to {MAX_PARTS} parts of equally "
+                                     f"many region names, got {value!r}")
             elif not _is_int(value, 1):
                 raise ValueError(f"layout {name}: expected a positive integer, got {value!r}")
         if d["block_bytes"] % d["kv_rows"] or d["ssm_slot_bytes"] % d["ssm_rows"]:
@@ -197,12 +208,14 @@ def pull_items(record, layout: CacheLayout, block_ids, slot: int, num_tokens: in
         if not isinstance(record, dict):
             raise ValueError(f"expected a dict, got {type(record).__name__}")
         blocks, src_slot = record.get("blocks"), record.get("slot")
-        if not (isinstance(blocks, list) and all(_is_int(b, 0) for b in blocks)
-                and _is_int(src_slot, 0)):
-            raise ValueError("expected 'blocks' (block ids) and 'slot' (a slot id)")
+        if not (isinstance(blocks, list) and all(_is_int(b, 0) and b < MAX_ID for b in blocks)
+                and _is_int(src_slot, 0) and src_slot < MAX_ID):
+            raise ValueError(f"expected 'blocks' (block ids) and 'slot' (a slot id), each "
+                             f"below {MAX_ID}")
         return stream_items(CacheLayout.from_json(record.get("layout")), blocks, src_slot,
                             layout, block_ids, slot, num_tokens, skip_blocks)
-    except ValueError as e:
+    # RecursionError: printing a value of a peer's record nested many hundred levels deep
+    except (ValueError, OverflowError, RecursionError) as e:
         raise TransferParamsError(f"source cache record: {e}") from None
 
 

@@ -3,9 +3,13 @@ lease pins, and the stream order both sides list their items in (the prompt's bl
 sequence order, then conv state, then recurrent state), so that each destination item
 receives its own source item."""
 
+import dataclasses
+
 import pytest
 
-from serving.kv_transfer import CacheLayout, pull_items, source_record, stream_items
+from serving.kv_transfer import (MAX_PARTS, CacheLayout, pull_items, source_record,
+                                 stream_items)
+from transfer import TransferParamsError
 
 LAYOUT = CacheLayout(block_bytes=100, conv_slot_bytes=30, ssm_slot_bytes=70, block_size=4)
 
@@ -56,3 +60,44 @@ def test_the_decode_side_reads_what_the_source_recorded():
     src, dst = pull_items(record, LAYOUT, [8, 9, 10], 1, 10)
     assert list(zip(_stream(src), _stream(dst), strict=True)) == _pairs(
         ("kv", 500, 800, 300), ("conv", 60, 30, 30), ("ssm", 140, 70, 70))
+
+
+def _deep(levels):
+    value = ["kv"]
+    for _ in range(levels):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize("change", [
+    {"blocks": [2**63, 6, 7]},  # no int64 holds it
+    {"blocks": [2**57 - 1, 6, 7]},  # its byte offset, id x 100, wraps int64
+    {"blocks": [2**31, 6, 7]},  # past the engine's int32 ids
+    {"slot": 2**31},
+    {"layout": {**LAYOUT.to_json(), "kv_parts": _deep(5000)}},  # too deep to print
+])
+def test_a_record_out_of_bounds_is_refused_as_transfer_params(change):
+    """A peer's record is refused with TransferParamsError, the one exception the decode
+    worker expects from it (any other would end its engine thread), before any byte
+    offset is computed from it."""
+    record = {**source_record(LAYOUT, [5, 6, 7], 2, 10), **change}
+    with pytest.raises(TransferParamsError, match="source cache record"):
+        pull_items(record, LAYOUT, [8, 9, 10], 1, 10)
+
+
+def test_a_head_split_finer_than_max_parts_is_refused():
+    """Each part of a source's split costs ``_chunks`` blocks x rows items on the engine
+    thread: a split of more than MAX_PARTS is refused, one of MAX_PARTS is read."""
+    mine = CacheLayout(block_bytes=MAX_PARTS * 2 * 16, conv_slot_bytes=30, ssm_slot_bytes=70,
+                       block_size=4, kv_rows=16)
+
+    def record(parts):
+        theirs = dataclasses.replace(mine, block_bytes=mine.block_bytes // parts,
+                                     kv_parts=tuple((f"kv@{i}",) for i in range(parts)))
+        return source_record(theirs, [5, 6, 7], 2, 10)
+
+    src, dst = pull_items(record(MAX_PARTS), mine, [8, 9, 10], 1, 10)
+    # each source part a run of blocks; locally a chunk of every row of every block
+    assert len(src) == MAX_PARTS + 2 and len(dst) == MAX_PARTS * 3 * 16 + 2
+    with pytest.raises(TransferParamsError, match=f"expected 1 to {MAX_PARTS} parts"):
+        pull_items(record(2 * MAX_PARTS), mine, [8, 9, 10], 1, 10)

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from transfer.descriptors import DescriptorError, coalesce, plan
+from transfer.descriptors import DescriptorError, check_inside, coalesce, plan, validate
 from transfer.memory import Region
 
 LOCAL = {"kv": Region("kv", 0x10000, 1 << 20, 0, "DRAM"), "ssm": Region("ssm", 0x900000, 4096, 0, "DRAM")}
@@ -111,3 +111,28 @@ def test_random_plans_copy_exactly_the_stream():
         # as few as the layout allows: no descriptor continues another on both sides
         ends = {(a + k, b + k) for (a, k, _), (b, _, _) in zip(p.local.tolist(), p.remote.tolist())}
         assert not ends & {(a, b) for (a, _, _), (b, _, _) in zip(p.local.tolist(), p.remote.tolist())}
+
+
+@pytest.mark.parametrize("region, item", [
+    (4096, ("kv", 2**63 - 64, 128)),  # offset + length wraps int64 negative
+    (2**31, ("kv", np.int32(2**31 - 64), np.int32(128))),  # int32 items: wraps at 2**31
+])
+def test_bounds_that_would_wrap_are_refused(region, item):
+    """An item far past its region, whose end wraps in fixed-width integers, is refused
+    by validation, by the check against what a lease pinned and by planning."""
+    regions = {"kv": Region("kv", 0x10000, region, 0, "DRAM")}
+    with pytest.raises(DescriptorError, match="remote item 0: bytes .* outside region 'kv'"):
+        validate([item], regions, "remote")
+    with pytest.raises(DescriptorError, match="outside region"):
+        check_inside([item], [("kv", 7 * 64, 2 * 64)], regions)
+    with pytest.raises(DescriptorError, match="outside region"):
+        plan([("kv", 0, 128)], regions, [item], regions)
+
+
+def test_a_stream_too_long_to_count_is_refused():
+    """Remote items whose lengths add up past 2**63 would wrap their total onto the local
+    one's, and the local pieces cut from it would reach far past the local items."""
+    local = {"kv": Region("kv", 0x10000, 4096, 0, "DRAM")}
+    remote = {"kv": Region("kv", 0x900000, 2**62 + 4096, 0, "DRAM")}
+    with pytest.raises(DescriptorError, match=r"2\*\*63 bytes or more"):
+        plan([("kv", 0, 128)], local, [("kv", 0, 2**62)] * 4 + [("kv", 0, 128)], remote)

@@ -3,13 +3,17 @@ mismatched peer, naming the field."""
 
 import http.client
 import json
+import socket
+import threading
+import time
 import urllib.error
 import urllib.request
+from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
-from transfer.handshake import (MAX_BODY, PROTOCOL_VERSION, CompatibilityError, HandshakeError, HandshakeServer,
-                                Hello, check_compatible, exchange, ping)
+from transfer.handshake import (MAX_BODY, MAX_NESTING, PROTOCOL_VERSION, CompatibilityError, HandshakeError,
+                                HandshakeServer, Hello, check_compatible, exchange, ping)
 from transfer.memory import Region
 
 SECRET = "the workers' shared secret"
@@ -138,3 +142,134 @@ def test_a_claim_needs_a_handshake_first_and_an_oversized_body_is_not_read(serve
     r = conn.getresponse()
     assert r.status == 413 and r.getheader("Connection") == "close" and accepted == []
     conn.close()
+
+
+def _closed_by_server(sock, within):
+    """Whether the server closes ``sock`` (unanswered) within ``within`` seconds."""
+    sock.settimeout(within)
+    try:
+        return sock.recv(1) == b""
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def _ping(conn):
+    """The status of an authorised ping on ``conn``."""
+    conn.request("GET", "/ping", headers=AUTH)
+    r = conn.getresponse()
+    r.read()
+    return r.status
+
+
+def test_a_connection_without_the_secret_is_cut_soon_an_authorised_one_kept():
+    """A stranger's silent connection holds a server thread only ``auth_timeout``; one
+    whose request presented the secret stays open longer, for its puller's next claim."""
+    s = HandshakeServer(hello("server"), lambda h: None, secret=SECRET, auth_timeout=0.2,
+                        idle_timeout=5.0)
+    try:
+        start = time.monotonic()
+        stranger = socket.create_connection(s.address)
+        assert _closed_by_server(stranger, within=2.0) and time.monotonic() - start < 1.0
+        kept = http.client.HTTPConnection(*s.address, timeout=5)
+        assert _ping(kept) == 200
+        time.sleep(0.5)  # idle past auth_timeout
+        before = kept.sock
+        assert _ping(kept) == 200 and kept.sock is before  # the same connection
+        kept.close()
+        stranger.close()
+    finally:
+        s.close()
+
+
+def test_connections_beyond_the_cap_are_closed_unanswered():
+    """Each connection holds a server thread: while ``max_connections`` are open, a new
+    one is closed unanswered; once one ends, peers are served again."""
+    s = HandshakeServer(hello("server"), lambda h: None, secret=SECRET, max_connections=2)
+    try:
+        idle = [socket.create_connection(s.address) for _ in range(2)]
+        third = socket.create_connection(s.address)
+        assert _closed_by_server(third, within=2.0)
+        with pytest.raises(HandshakeError):
+            exchange(s.address, hello("client"), SECRET)
+        third.close()
+        idle[0].close()
+        end = time.monotonic() + 2.0
+        while True:  # until the server's thread has seen the close
+            try:
+                peer = exchange(s.address, hello("client"), SECRET)
+                break
+            except HandshakeError:
+                assert time.monotonic() < end
+                time.sleep(0.01)
+        assert peer.agent == "server"
+        idle[1].close()
+    finally:
+        s.close()
+
+
+def _nested(levels):
+    value = 1
+    for _ in range(levels):
+        value = {"a": value}
+    return value
+
+
+class _DeepJSON(BaseHTTPRequestHandler):
+    """Answers anything with JSON nested too deep to parse."""
+
+    def do_GET(self):
+        body = b"[" * 100_000
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_json_nested_too_deep_is_bad_json_on_either_side(server):
+    """Parsing it raises RecursionError: the server answers 400 (its connection thread
+    goes on), the client raises HandshakeError."""
+    s, accepted = server
+    conn = http.client.HTTPConnection(*s.address, timeout=5)
+    conn.request("POST", "/hello", b"[" * 100_000, AUTH)
+    r = conn.getresponse()
+    assert r.status == 400 and "bad JSON" in json.loads(r.read())["error"]
+    assert _ping(conn) == 200
+    conn.close()
+    deep = HTTPServer(("127.0.0.1", 0), _DeepJSON)
+    threading.Thread(target=deep.handle_request, daemon=True).start()
+    try:
+        with pytest.raises(HandshakeError, match="recursion"):
+            exchange(deep.server_address, hello("client"), SECRET)
+    finally:
+        deep.server_close()
+    assert accepted == []
+
+
+def test_a_compatibility_record_nested_too_deep_is_a_malformed_hello(server):
+    """Records are compared and shown by recursion: one of many hundred levels would end
+    the connection's thread unanswered, so any over MAX_NESTING is refused."""
+    s, accepted = server
+    body = json.dumps(hello("client", _nested(MAX_NESTING + 1)).to_json()).encode()
+    req = urllib.request.Request(f"http://{s.address[0]}:{s.address[1]}/hello", body,
+                                 {"Content-Type": "application/json", **AUTH})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=5)
+    assert e.value.code == 400 and "levels deep" in json.loads(e.value.read())["error"]
+    assert accepted == []
+
+
+@pytest.mark.parametrize("field, value", [
+    ("nbytes", 2**63), ("nbytes", -1), ("addr", -1), ("addr", 2**64), ("device_id", -1),
+])
+def test_a_region_past_64_bit_bounds_is_a_malformed_hello(field, value):
+    """Descriptors hold offsets in int64 and addresses in uint64: such a region would make
+    NumPy raise OverflowError (or wrap) when a claim is checked against it."""
+    d = hello("peer").to_json()
+    d["regions"]["kv"][field] = value
+    with pytest.raises(HandshakeError, match="malformed hello: a region"):
+        Hello.from_json(d)

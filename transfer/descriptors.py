@@ -50,7 +50,8 @@ class Plan:
 
 @dataclasses.dataclass(frozen=True)
 class _Columns:
-    """Validated items as arrays: region index (into ``names``), offset, length."""
+    """Validated items as arrays: region index (into ``names``), offset, length. Each item
+    lies inside its region, whose size is below 2**63, so ``offset + length`` never wraps."""
 
     names: list[str]
     region: np.ndarray
@@ -66,26 +67,30 @@ def validate(items: Iterable, regions: Mapping[str, Region], side: str) -> list[
 
 def _columns(items: list, regions: Mapping[str, Region], side: str) -> _Columns:
     names = list(regions)
+    if not items:
+        empty = np.zeros(0, np.int64)
+        return _Columns(names, empty, empty, empty)
     index = {name: i for i, name in enumerate(names)}
     try:
         if not all(len(x) == 3 for x in items):
             _explain(items, regions, side)
-        keys, offsets, lengths = zip(*items) if items else ((), (), ())
+        keys, offsets, lengths = zip(*items)
         region = np.array([index.get(k, -1) for k in keys], np.int64)
         offset, length = np.array(offsets), np.array(lengths)
     except (TypeError, ValueError):
         _explain(items, regions, side)
-    if items:
-        # ndim: an offset or length given as a list would otherwise be flattened in
-        if (offset.dtype.kind != "i" or length.dtype.kind != "i"
-                or offset.ndim != 1 or length.ndim != 1):
-            _explain(items, regions, side)
-        sizes = np.array([regions[n].nbytes for n in names], np.int64)
-        # one test for every bound (each NumPy call costs microseconds, and planning is
-        # on the path of every pull); the slow path names the first bad item
-        if ((region < 0) | (offset < 0) | (length <= 0) | (offset + length > sizes[region])).any():
-            _explain(items, regions, side)
-    return _Columns(names, region, offset.astype(np.int64).reshape(-1), length.astype(np.int64).reshape(-1))
+    # ndim: an offset or length given as a list would otherwise be flattened in
+    if offset.dtype.kind != "i" or length.dtype.kind != "i" or offset.ndim != 1 or length.ndim != 1:
+        _explain(items, regions, side)
+    offset, length = offset.astype(np.int64), length.astype(np.int64)
+    sizes = np.array([regions[n].nbytes for n in names], np.int64)
+    # one test for every bound (each NumPy call costs microseconds, and planning is on the
+    # path of every pull); the slow path names the first bad item. ``offset + length``
+    # of a bad item could wrap; ``sizes - length`` cannot where the test decides (sizes
+    # are in [0, 2**63), lengths positive)
+    if ((region < 0) | (offset < 0) | (length <= 0) | (offset > sizes[region] - length)).any():
+        _explain(items, regions, side)
+    return _Columns(names, region, offset, length)
 
 
 def _explain(items: list, regions: Mapping[str, Region], side: str):
@@ -99,7 +104,7 @@ def _explain(items: list, regions: Mapping[str, Region], side: str):
             raise DescriptorError(f"{side} item {i}: expected (str, int, int), got {item!r}")
         if name not in regions:
             raise DescriptorError(f"{side} item {i}: unknown region {name!r} (have {sorted(regions)})")
-        size = regions[name].nbytes
+        offset, length, size = int(offset), int(length), regions[name].nbytes  # exact, unlike NumPy's
         if offset < 0 or length <= 0 or offset + length > size:
             raise DescriptorError(
                 f"{side} item {i}: bytes [{offset}, {offset + length}) outside region {name!r} of {size} bytes")
@@ -145,12 +150,15 @@ def plan(local_items: Sequence[Item], local_regions: Mapping[str, Region],
     """Descriptors that copy the remote byte stream onto the local one (see module docstring)."""
     local = _columns(list(local_items), local_regions, "local")
     remote = _columns(list(remote_items), remote_regions, "remote")
-    total_local, total_remote = int(local.length.sum()), int(remote.length.sum())
+    lend, rend = np.cumsum(local.length), np.cumsum(remote.length)
+    # lengths are positive, so a stream of 2**63 bytes or more wraps an end negative
+    if (lend < 0).any() or (rend < 0).any():
+        raise DescriptorError("items hold 2**63 bytes or more")
+    total_local, total_remote = int(lend[-1:].sum()), int(rend[-1:].sum())
     if total_local != total_remote:
         raise DescriptorError(f"local items hold {total_local} bytes but remote items {total_remote}")
     # split the stream at every item boundary of either side
-    lstart = np.cumsum(local.length) - local.length
-    rstart = np.cumsum(remote.length) - remote.length
+    lstart, rstart = lend - local.length, rend - remote.length
     cuts = np.union1d(lstart, rstart)
     sizes = np.concatenate((cuts[1:], [total_local])) - cuts
     li = np.searchsorted(lstart, cuts, "right") - 1

@@ -15,6 +15,11 @@ must be able to answer the puller's notifications.
 binds a lease to the claiming agent and answers what the lease pinned
 (``transfer.lease``): the puller reads exactly that. Bodies over ``MAX_BODY`` bytes are refused (413) unread.
 
+Each connection holds a server thread. Until its first request presents the secret it
+may idle only briefly (``auth_timeout``), and at most ``max_connections`` are open at once
+(one more is closed unanswered), so strangers cannot pile threads up; an authorised one
+stays open while idle (``idle_timeout``) for its puller's next claim.
+
 The compatibility record is whatever the two sides must agree on (model, dtypes, block
 size, per-region layouts, ...): any JSON-able dict, compared exactly, key by key.
 Quantities that may differ between peers, such as pool sizes, belong in the region table,
@@ -39,6 +44,9 @@ from transfer.memory import Region
 PROTOCOL_VERSION = 2
 Address = tuple[str, int]
 MAX_BODY = 1 << 20  # bytes: a hello (metadata and region table) or a claim is a few KiB
+# levels of a compatibility record (a few in practice): records are compared and shown by
+# recursion, and one of many hundred levels would exhaust the recursion limit
+MAX_NESTING = 32
 
 
 class HandshakeError(RuntimeError):
@@ -83,6 +91,14 @@ def _normalise(record: dict) -> dict:
     return json.loads(json.dumps(record))
 
 
+def _shallow(value, levels: int = MAX_NESTING) -> bool:
+    """Whether ``value`` nests dicts and lists at most ``levels`` deep."""
+    if not isinstance(value, (dict, list)):
+        return True
+    children = value.values() if isinstance(value, dict) else value
+    return levels > 0 and all(_shallow(v, levels - 1) for v in children)
+
+
 def _show(value) -> str:
     text = repr(value)
     return text if len(text) <= 200 else text[:197] + "..."
@@ -104,35 +120,46 @@ class Hello:
 
     @classmethod
     def from_json(cls, d: dict) -> "Hello":
+        """A peer's hello; HandshakeError unless well formed, with regions whose bounds fit
+        descriptors (``transfer.descriptors``: offsets in int64, addresses in uint64) and a
+        compatibility record at most ``MAX_NESTING`` levels deep."""
         if not isinstance(d, dict) or d.get("version") != PROTOCOL_VERSION:
             raise HandshakeError(f"unsupported handshake (want version {PROTOCOL_VERSION}): "
                                  f"{_show(d.get('version') if isinstance(d, dict) else d)}")
         try:
-            return cls(str(d["agent"]), base64.b64decode(d["metadata"]),
-                       {n: Region.from_json(n, r) for n, r in d["regions"].items()}, dict(d["compat"]))
+            hello = cls(str(d["agent"]), base64.b64decode(d["metadata"]),
+                        {n: Region.from_json(n, r) for n, r in d["regions"].items()}, dict(d["compat"]))
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise HandshakeError(f"malformed hello: {e!r}") from None
+        if not all(0 <= r.nbytes < 1 << 63 and 0 <= r.addr < 1 << 64 and 0 <= r.device_id < 1 << 64
+                   for r in hello.regions.values()):
+            raise HandshakeError("malformed hello: a region beyond 64-bit bounds")
+        if not _shallow(hello.compat):
+            raise HandshakeError(f"malformed hello: a compatibility record over {MAX_NESTING} "
+                                 f"levels deep")
+        return hello
 
 
 class HandshakeServer:
     """Serves ``hello`` and claims to holders of ``secret``: accepts compatible peers by
     calling ``on_peer`` and answers claims with ``on_claim(lease, agent, key)`` (a JSON-able
-    dict, or ClaimError), both from its own threads."""
+    dict, or ClaimError), both from its own threads. A connection may idle ``auth_timeout``
+    seconds until a request of it presents the secret, then ``idle_timeout``; at most
+    ``max_connections`` are open at once (a pulling peer keeps one per concurrent claim)."""
 
     def __init__(self, hello: Hello, on_peer: Callable[[Hello], None], *, secret: str,
                  on_claim: Callable[[str, str, str | None], dict] | None = None,
-                 host: str = "127.0.0.1",
-                 port: int = 0):
+                 host: str = "127.0.0.1", port: int = 0, max_connections: int = 256,
+                 auth_timeout: float = 5.0, idle_timeout: float = 300.0):
         if not secret:
             raise ValueError("the handshake needs the workers' shared secret")
         self.hello = hello
         self._on_peer, self._on_claim = on_peer, on_claim
         self._token = _bearer(secret)
         self._accepted: set[str] = set()  # agents whose hello this server accepted
-        self._connections: set[socket.socket] = set()  # open (kept-alive) connections
         self._lock = threading.Lock()
-        self._http = ThreadingHTTPServer((host, port), _handler(self))
-        self._http.daemon_threads = True
+        self._idle_timeout = idle_timeout
+        self._http = _HTTPServer((host, port), _handler(self, auth_timeout), max_connections)
         self._thread = threading.Thread(target=self._http.serve_forever, args=(0.05,), name="handshake",
                                         daemon=True)
         self._thread.start()
@@ -183,36 +210,52 @@ class HandshakeServer:
             self._http.shutdown()
             self._http.server_close()
             self._thread.join()
-        with self._lock:
-            for conn in self._connections:
+        with self._http.lock:
+            for conn in self._http.connections:
                 try:
                     conn.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
-            self._connections.clear()
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    """A thread per connection, for at most ``limit`` connections at once: one more is
+    closed unanswered."""
+
+    daemon_threads = True
+
+    def __init__(self, address: Address, handler, limit: int):
+        self.limit = limit
+        self.connections: set[socket.socket] = set()  # open ones, kept-alive ones included
+        self.lock = threading.Lock()
+        super().__init__(address, handler)
+
+    def verify_request(self, request, client_address) -> bool:
+        with self.lock:
+            if len(self.connections) >= self.limit:
+                return False
+            self.connections.add(request)
+            return True
+
+    def shutdown_request(self, request) -> None:  # every accepted connection ends here
+        with self.lock:
+            self.connections.discard(request)
+        super().shutdown_request(request)
 
 
 def _bearer(secret: str) -> str:
     return f"Bearer {secret}"
 
 
-def _handler(server: HandshakeServer):
+def _handler(server: HandshakeServer, auth_timeout: float):
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # keep-alive: a claim reuses its puller's connection
-        timeout = 300  # seconds an idle kept connection holds its thread
+        # seconds a connection may wait for a request (and its bytes) while none of its
+        # requests has presented the secret; ``_authorised`` lengthens it
+        timeout = auth_timeout
         # headers and body go out in two writes: with Nagle's algorithm the second waits
         # for the peer's delayed ACK (40 ms a claim on a kept connection)
         disable_nagle_algorithm = True
-
-        def setup(self):
-            super().setup()
-            with server._lock:
-                server._connections.add(self.connection)
-
-        def finish(self):
-            with server._lock:
-                server._connections.discard(self.connection)
-            super().finish()
 
         def do_GET(self):
             if not self._authorised():
@@ -240,12 +283,13 @@ def _handler(server: HandshakeServer):
                 return self._reply(413, {"error": f"bodies are at most {MAX_BODY} bytes"})
             try:
                 body = json.loads(self.rfile.read(length))
-            except ValueError as e:
+            except (ValueError, RecursionError) as e:  # RecursionError: nested too deep
                 return self._reply(400, {"error": f"bad JSON: {e}"})
             self._reply(*routes[self.path](body))
 
         def _authorised(self) -> bool:
             if server.authorised(self.headers.get("Authorization")):
+                self.connection.settimeout(server._idle_timeout)
                 return True
             self.close_connection = True  # the body, if any, is never read
             self._reply(401, {"error": "the workers' shared secret is required"})
@@ -341,7 +385,8 @@ def _call(address: Address, method: str, path: str, body: dict | None, secret: s
         status, answer = _CONNECTIONS.request(tuple(address), method, path, data, headers,
                                               timeout)
         detail = json.loads(answer)
-    except (OSError, http.client.HTTPException, ValueError) as e:
+    # RecursionError: JSON nested too deep to parse
+    except (OSError, http.client.HTTPException, ValueError, RecursionError) as e:
         raise HandshakeError(f"{where}: {e!r}") from None
     if status == 200:
         return detail

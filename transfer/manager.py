@@ -274,9 +274,19 @@ class TransferManager:
         return pull_id
 
     def _resolve(self, agent: str, address: Address) -> Hello:
+        """The hello of the source a ticket names: ``agent``, which must listen at
+        ``address`` (where the claim goes), since the READ goes to ``agent``'s memory.
+        TransferParamsError if it does not: a ticket passes through untrusted hands. A
+        peer dialled before is known by the address it was dialled at; any other (one
+        that only connected to this side) is asked at ``address`` by a handshake."""
+        address = tuple(address)
         with self._lock:
-            peer = self._peers.get(agent)
-        if peer is not None:
+            peer, known = self._peers.get(agent), self._peers.address(agent)
+        if known is not None:
+            if known != address:
+                raise TransferParamsError(
+                    f"agent {agent!r} listens at {known[0]}:{known[1]}, not at the ticket's "
+                    f"{address[0]}:{address[1]}")
             return peer
         try:
             found = self.connect(address)

@@ -23,7 +23,9 @@ _Word = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[\x21-\x7e
 
 
 class Ticket(BaseModel):
-    """The source's agent, its handshake address, the lease and its TTL in seconds."""
+    """The source's agent, its handshake address, the lease and its TTL in seconds.
+    ``TransferManager.claim`` refuses a ticket whose agent does not listen at its address:
+    the claim goes to the address, the READ to the agent."""
 
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True, allow_inf_nan=False)
 
