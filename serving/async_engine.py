@@ -18,7 +18,10 @@ its KV blocks and state slot. `generate` is the one-call form of the two.
 
 Overload: requests accepted but not yet running are bounded by
 `max_queued_requests`; beyond it `add` raises `EngineOverloaded` at once, so
-that callers get a quick 503 instead of an unbounded wait.
+that callers get a quick 503 instead of an unbounded wait. A caller that must
+commit something before its `add` (a decode worker claims a lease only one
+worker may hold) takes its place first (`reserve_room`), so that the `add`
+after the commit is not refused for room.
 
 This class is one implementation of `serving.api.backend.Backend`; a router
 over disaggregated prefill/decode workers can implement the same interface.
@@ -44,6 +47,7 @@ class RequestStream:
     def __init__(self, owner: "AsyncEngine", request_id: str):
         self.request_id = request_id
         self.finished = False
+        self.admitted = False  # set by the engine thread once the engine took the request
         self._owner = owner
         self._queue: asyncio.Queue = asyncio.Queue()
 
@@ -86,9 +90,11 @@ class AsyncEngine:
         self._stopping = False
         self.error: BaseException | None = None
         # Adds submitted by the loop thread minus adds applied by the engine
-        # thread: each counter has a single writer, so no lock is needed.
+        # thread, plus places reserved by the loop thread: each counter has a
+        # single writer, so no lock is needed.
         self._submitted = 0
         self._applied = 0
+        self._reserved = 0
         self._streams: dict[str, tuple[RequestStream, asyncio.AbstractEventLoop]] = {}
         self._stats = self._snapshot()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -97,11 +103,22 @@ class AsyncEngine:
     # ---- the asyncio side ------------------------------------------------
 
     async def add(self, request_id: str, prompt_token_ids: list[int],
-                  params: SamplingParams, **admit) -> RequestStream:
+                  params: SamplingParams, *, reserved: bool = False,
+                  on_cancel: Callable[[Engine], object] | None = None,
+                  **admit) -> RequestStream:
         """Queue a request and wait until the engine accepts it (through the connector's
         `admit`, which gets the keyword arguments `admit`). Raises ValueError (bad
-        request, from the engine's checks), EngineOverloaded or EngineDead."""
-        self.check_room()
+        request, from the engine's checks), EngineOverloaded or EngineDead.
+
+        `reserved`: the caller holds a place from `reserve_room`, which this add takes.
+        A caller cancelled while its admission is pending ends the request only if this
+        admission succeeded (another request's id, refused as a duplicate, is not
+        touched): the engine thread then aborts it and runs `on_cancel(engine)`."""
+        if reserved:
+            self._reserved -= 1
+            self.check_health()
+        else:
+            self.check_room()
         loop = asyncio.get_running_loop()
         stream = RequestStream(self, request_id)
         admitted = loop.create_future()
@@ -113,7 +130,8 @@ class AsyncEngine:
         try:
             await admitted
         except asyncio.CancelledError:
-            await stream.aclose()
+            stream.finished = True
+            self._send(("withdraw", stream, on_cancel))
             raise
         return stream
 
@@ -133,6 +151,8 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         done = loop.create_future()
         self._send(("call", fn, done, loop))
+        if self.error is not None:  # the thread died and may have drained the inbox already
+            _settle(done, EngineDead(f"engine stopped: {self.error!r}"))
         return await done
 
     def fail(self, request_id: str, error: BaseException) -> None:
@@ -155,9 +175,21 @@ class AsyncEngine:
             raise EngineOverloaded(f"{self.num_queued()} requests are queued "
                                    f"(max_queued_requests={self.max_queued_requests})")
 
+    def reserve_room(self) -> None:
+        """`check_room`, then hold a place in the queue for an `add(..., reserved=True)`
+        to come (loop thread): for a caller that commits something between the two, so
+        that its add is not refused for room after it committed. `release_room` gives
+        back a place that no add took."""
+        self.check_room()
+        self._reserved += 1
+
+    def release_room(self) -> None:
+        self._reserved -= 1
+
     def num_queued(self) -> int:
-        """Requests accepted but not running: in the inbox or the engine's queue."""
-        return self._submitted - self._applied + self._stats["num_waiting"]
+        """Requests accepted but not running: reserved, in the inbox or in the engine's
+        queue."""
+        return self._submitted - self._applied + self._reserved + self._stats["num_waiting"]
 
     def stats(self) -> dict:
         """Engine counters as of the last loop iteration (see `_snapshot`)."""
@@ -219,6 +251,8 @@ class AsyncEngine:
                 self._apply_add(*command[1:])
             elif command[0] == "call":
                 self._apply_call(*command[1:])
+            elif command[0] == "withdraw":
+                self._apply_withdraw(*command[1:])
             else:
                 self._apply_abort(command[1])
 
@@ -230,9 +264,25 @@ class AsyncEngine:
             post(loop, _settle, admitted, e)
         else:
             self._streams[request_id] = (stream, loop)
+            stream.admitted = True
             post(loop, _settle, admitted, None)
         finally:
             self._applied += 1
+
+    def _apply_withdraw(self, stream: RequestStream, on_cancel) -> None:
+        """A caller cancelled while its add was pending; its add was applied before this
+        (the inbox is in order), so `stream.admitted` tells whether the request is its."""
+        if not stream.admitted:
+            return
+        request_id = stream.request_id
+        if self._streams.get(request_id, (None,))[0] is stream:
+            del self._streams[request_id]
+        self.engine.abort(request_id)
+        if on_cancel is not None:
+            try:
+                on_cancel(self.engine)
+            except Exception:  # noqa: BLE001 -- one caller's cleanup must not stop the loop
+                log.exception("cleanup of cancelled request %s failed", request_id)
 
     def _apply_call(self, fn, done, loop) -> None:
         try:

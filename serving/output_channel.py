@@ -50,7 +50,10 @@ class OutputChannel:
                     await response.aclose()
                     return response
                 lines = response.aiter_lines()
-                first = await anext(lines)
+                first = await anext(lines, None)
+                if first is None:
+                    raise WorkerFailed(f"decode worker {self.url} closed its output channel "
+                                       f"before naming it")
                 channel = DecodeOutputs.model_validate_json(first).channel
                 if channel is None:
                     raise WorkerFailed(f"decode worker {self.url} named no output channel")

@@ -167,3 +167,62 @@ def test_one_output_channel_carries_every_request_and_its_break_fails_them():
         assert posted[-1]["channel"] == "2" and len(opened) == 2
 
     asyncio.run(go())
+
+
+def test_an_output_no_frame_can_carry_ends_its_request_with_an_error_frame():
+    """An output the frame refuses (a NaN logprob, from a step gone wrong) ends its
+    request with an error frame and aborts it, rather than leaving the router waiting on
+    a request that sends nothing more; the channel carries the others on."""
+    from serving.messages import DecodeOutputs
+    from serving.worker.channels import Channels
+
+    async def go():
+        channel = Channels(keepalive=0.05).open()
+        lines = channel.lines()
+        await anext(lines)
+        confirmed = asyncio.get_running_loop().create_future()
+        confirmed.set_result(None)
+        bad = _out("bad", [5])
+        bad.logprobs = [{5: float("nan")}]
+        streams = {"bad": _Stream([bad], finish=False), "ok": _Stream([_out("ok", [6])], finish=False)}
+        for r, s in streams.items():
+            channel.start(r, s, confirmed)
+        frames = []
+
+        async def two_frames():
+            while len(frames) < 2:
+                line = await anext(lines)
+                frames.extend(DecodeOutputs.model_validate_json(line).frames if line.strip() else [])
+
+        await asyncio.wait_for(two_frames(), 2)  # a request left open would never end
+        by_id = {f.request_id: f for f in frames}
+        assert by_id["bad"].finished and "ValidationError" in by_id["bad"].error
+        assert by_id["ok"].new_token_ids == [6] and by_id["ok"].error is None
+        assert streams["bad"].closed and not streams["ok"].closed and not channel.closed
+        channel.close()
+
+    asyncio.run(go())
+
+
+def test_a_channel_that_ends_before_its_first_line_fails_the_request_as_the_workers():
+    """A decode worker whose /outputs ends before it names the channel: the request fails
+    as the worker's failure (WorkerFailed, a 502 at the API), not as the router's own."""
+    import httpx
+
+    def handler(request):
+        if request.url.path == "/prefill":
+            return httpx.Response(200, json={"token_ids": [5], "transfer": TICKET})
+        if request.url.path == "/outputs":
+            return httpx.Response(200, content=b"")
+        return httpx.Response(200, json={"ok": True})
+
+    router = Router(["http://p"], ["http://d"], secret=SECRET, max_model_len=64, max_logprobs=0)
+    router._client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    router._ensure_polling = lambda: None
+
+    async def go():
+        with pytest.raises(WorkerFailed, match="closed its output channel"):
+            await router.add("r1", [5, 6, 7], SamplingParams(max_tokens=4))
+        assert router.decode.load["http://d"] == 0
+
+    asyncio.run(go())

@@ -412,3 +412,144 @@ def test_prefill_cancelled_during_admission_releases_its_hold():
     finally:
         aeng.shutdown()
         eng.close()
+
+
+def test_decodes_claiming_at_once_past_a_full_queue_give_no_claim_up():
+    """Two /decode calls for a queue of one place: the second is refused before it
+    claims (503), as one alone would be. Had both claimed, the add after the claim would
+    refuse the second and its claim, given up, would drop the lease the router's retry
+    on another worker needs."""
+    import time
+
+    from serving.errors import EngineOverloaded
+
+    prompts = [[5, 6, 7, 8], [9, 10, 11, 12]]
+    claims = {f"abc.{i}": _claim_for(p, lease=f"abc.{i}") for i, p in enumerate(prompts)}
+
+    def slow_claim(ticket):  # both calls are past the room check while the first claims
+        time.sleep(0.2)
+        return claims[ticket.lease]
+
+    eng, w, transfers = _serving_decode_worker(slow_claim, max_queued=1)
+
+    async def run():
+        got = await asyncio.gather(*(w.decode(_request(p, reference_next(p, VOCAB),
+                                                       request_id=f"r{i}", lease=f"abc.{i}"))
+                                     for i, p in enumerate(prompts)), return_exceptions=True)
+        for g in got:
+            if not isinstance(g, BaseException):
+                await g[0].aclose()
+        return got
+
+    try:
+        got = asyncio.run(run())
+    finally:
+        w.engine.shutdown()
+    assert not isinstance(got[0], BaseException) and isinstance(got[1], EngineOverloaded)
+    assert [lease for lease, _, _ in transfers.claims] == ["abc.0"]
+    assert transfers.released == [] and w.engine.num_queued() == 0
+
+
+def test_a_decode_cancelled_while_it_claims_gives_the_claim_up():
+    """The caller goes away while the claim runs in its thread: the claim is given up as
+    it arrives (the source frees the lease now), instead of being held and extended with
+    no one to pull it; the place it reserved in the queue is free again."""
+    import time
+
+    prompt = [5, 6, 7, 8]
+    claim = _claim_for(prompt)
+
+    def slow_claim(ticket):
+        time.sleep(0.3)
+        return claim
+
+    eng, w, transfers = _serving_decode_worker(slow_claim)
+
+    async def run():
+        task = asyncio.ensure_future(w.decode(_request(prompt, reference_next(prompt, VOCAB))))
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(100):
+            if transfers.released:
+                break
+            await asyncio.sleep(0.01)
+
+    try:
+        asyncio.run(run())
+    finally:
+        w.engine.shutdown()
+    assert transfers.released == [claim] and len(w.book) == 0
+    assert w.engine.num_queued() == 0 and not eng.requests
+
+
+def test_a_cancelled_duplicate_prefill_leaves_the_held_request_alone():
+    """A second /prefill with the id of a request whose memory a lease pins, cancelled
+    while its admission is pending (the engine refuses it as a duplicate): the first
+    request keeps its memory, which a decode worker may be reading."""
+    from serving.messages import PrefillRequest
+
+    class Pins:  # the transfer manager's source side, as the prefill worker uses it
+        def pin(self, items, on_free, key, meta):
+            return Ticket(agent="prefill-x", address=SOURCE, lease="abc.1", ttl=30.0)
+
+        def collect(self):
+            return []
+
+    eng = _engine()
+    w = PrefillWorker.__new__(PrefillWorker)
+    w.layout, w.sharded, w.counters, w.transfer = LAYOUT, False, collections.Counter(), Pins()
+    w.engine = aeng = AsyncEngine(eng, connector=w)
+    req = PrefillRequest(request_id="p1", prompt_token_ids=[5, 6, 7, 8, 9, 10],
+                         params=Sampling(max_tokens=4, temperature=0.0))
+
+    async def run():
+        assert (await w.prefill(req)).transfer is not None  # held under its lease
+        held = await aeng.call(lambda e: e.held_memory("p1"))
+        task = asyncio.ensure_future(w.prefill(req))
+        await asyncio.sleep(0)  # its add is queued; the task waits for the admission
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(20):  # steps for a wrong abort or release to land in
+            await asyncio.sleep(0.01)
+        await aeng.call(lambda e: e.fence.wait_all())
+        return held, await aeng.call(lambda e: (e.held_memory("p1"), e.blocks.num_free))
+
+    try:
+        held, (still, free) = asyncio.run(run())
+    finally:
+        aeng.shutdown()
+        eng.close()
+    assert still == held and free == NUM_BLOCKS - len(held[0])
+
+
+def test_a_call_sent_as_the_engine_thread_dies_ends_with_engine_dead():
+    """The thread dies between a call's health check and its command (and empties the
+    inbox on its way out): the call ends with EngineDead instead of waiting for ever."""
+    eng = _engine()
+    aeng = AsyncEngine(eng)
+    healthy = aeng.check_health
+
+    def healthy_then_the_thread_dies():
+        healthy()
+
+        def lost(engine):
+            raise RuntimeError("device lost")
+
+        aeng.connector.tick = lost
+        aeng.wake()
+        aeng._thread.join(5)
+
+    aeng.check_health = healthy_then_the_thread_dies
+
+    async def run():
+        return await asyncio.wait_for(aeng.call(lambda e: "ran"), 3)
+
+    try:
+        with pytest.raises(EngineDead, match="device lost"):
+            asyncio.run(run())
+    finally:
+        aeng.shutdown()
+        eng.close()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import secrets
 
 from serving.errors import EngineDead, TransferFailed
@@ -25,6 +26,8 @@ from serving.messages import DecodeFrame, DecodeOutputs
 
 KEEPALIVE_SECONDS = 5.0  # an idle channel sends an empty line this often
 EARLY_ABORTS = 4096  # aborts of requests not started yet, remembered per channel
+
+log = logging.getLogger("serving.worker")
 
 
 class Channel:
@@ -54,15 +57,22 @@ class Channel:
                                if self._pumps.get(request_id) is t else None)
 
     async def _pump(self, request_id: str, stream, confirmed: asyncio.Future) -> None:
+        """Every request that starts here ends with a finished frame, an error one if
+        anything stops its outputs: the router waits for it."""
+        error = None
         try:
             await confirmed
             async for out in stream:
                 self._frames.put_nowait(DecodeFrame.of(out))
         except (TransferFailed, EngineDead) as e:
-            self._frames.put_nowait(DecodeFrame(request_id=request_id, error=str(e),
-                                                finished=True))
+            error = str(e)
+        except Exception as e:  # noqa: BLE001 -- e.g. an output no frame can carry (a NaN logprob)
+            log.exception("outputs of %s stopped", request_id)
+            error = f"internal error: {type(e).__name__}"
         finally:
             await stream.aclose()  # a request still running is aborted
+        if error is not None:
+            self._frames.put_nowait(DecodeFrame(request_id=request_id, error=error, finished=True))
 
     def abort(self, request_id: str) -> bool:
         """Abort a request of this channel; False if it is not running here: ended, or not

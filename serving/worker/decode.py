@@ -74,27 +74,25 @@ class DecodeWorker(WorkerBase):
         if tuple(ticket.address) not in self._sources:
             raise TransferParamsError(f"{ticket.address[0]}:{ticket.address[1]} is not a "
                                       f"prefill worker the router registered")
-        # a full worker refuses before it claims: a claim it then gave up would drop the
-        # lease, and the router's retry on another worker would find it freed
-        self.engine.check_room()
-        loop = asyncio.get_running_loop()
+        # a full worker refuses before it claims, and holds its place until the add: a
+        # claim it then gave up would drop the lease, and the router's retry on another
+        # worker would find it freed
+        self.engine.reserve_room()
         try:
-            claim = await loop.run_in_executor(None, self.transfer.claim, ticket,
-                                               prompt_digest(prompt, first_token))
-        except HandshakeError as e:
-            raise TransferFailed(f"transfer source unreachable: {e}") from None
-        except ClaimError as e:
-            if e.kind == "mismatch":  # the request names a lease of another request
-                raise TransferParamsError(f"lease {ticket.lease}: {e.detail}") from None
-            raise TransferFailed(f"transfer source refused the claim ({e})") from None
+            claim = await self._claim(ticket, prompt_digest(prompt, first_token))
+        except BaseException:
+            self.engine.release_room()
+            raise
         try:
-            confirmed = self.book.open(request_id, claim, loop)
+            confirmed = self.book.open(request_id, claim, asyncio.get_running_loop())
         except ValueError:  # taken meanwhile
+            self.engine.release_room()
             self.transfer.release(claim)
             raise
         params = req.params.params()
         try:
-            stream = await self.engine.add(request_id, prompt, params, first_token=first_token,
+            stream = await self.engine.add(request_id, prompt, params, reserved=True,
+                                           first_token=first_token,
                                            drafts=list(req.draft_token_ids))
         except BaseException:
             # Refused, the engine died, or the caller went away: a claim no pull has taken
@@ -104,6 +102,25 @@ class DecodeWorker(WorkerBase):
                 self.transfer.release(claim)
             raise
         return stream, confirmed
+
+    async def _claim(self, ticket, key: str):
+        """The claim of ``ticket``'s lease, made in an executor thread (a handshake first,
+        with a source new to this worker). A caller that goes away meanwhile cannot stop
+        the thread: the claim it makes is given up as it arrives, so the source frees the
+        lease now instead of seeing it extended by a claim no one will pull."""
+        made = asyncio.get_running_loop().run_in_executor(None, self.transfer.claim, ticket, key)
+        try:
+            return await asyncio.shield(made)
+        except asyncio.CancelledError:
+            made.add_done_callback(
+                lambda f: f.cancelled() or f.exception() or self.transfer.release(f.result()))
+            raise
+        except HandshakeError as e:
+            raise TransferFailed(f"transfer source unreachable: {e}") from None
+        except ClaimError as e:
+            if e.kind == "mismatch":  # the request names a lease of another request
+                raise TransferParamsError(f"lease {ticket.lease}: {e.detail}") from None
+            raise TransferFailed(f"transfer source refused the claim ({e})") from None
 
     def admit(self, eng, request_id, prompt, params, *, first_token: int,
               drafts: list[int]) -> None:

@@ -12,10 +12,8 @@ when the router reports that no decode worker will pull it (``abandon``).
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
-
 
 from serving.kv_transfer import source_record
 from serving.messages import PrefillRequest, PrefillResult
@@ -33,11 +31,10 @@ class PrefillWorker(WorkerBase):
         continues."""
         request_id, prompt, params = req.request_id, list(req.prompt_token_ids), req.params.params()
         first = dataclasses.replace(params, max_tokens=1)
-        try:
-            stream = await self.engine.add(request_id, prompt, first)
-        except asyncio.CancelledError:  # admitted or not: no one would release its hold
-            await self.engine.call(lambda eng: eng.discard(request_id))
-            raise
+        # a caller gone before its admission settled leaves no hold behind, and touches
+        # nothing of a request it does not own (a duplicate id, refused)
+        stream = await self.engine.add(request_id, prompt, first,
+                                       on_cancel=lambda eng: eng.discard(request_id))
         out = None
         try:
             async for out in stream:
@@ -46,18 +43,18 @@ class PrefillWorker(WorkerBase):
             await self.engine.call(lambda eng: eng.discard(request_id))
             raise
         goes_on = out.finish_reason == "length" and params.max_tokens > 1
-        ticket, drafts = None, []
-        if goes_on:
-            ticket, drafts = await self.engine.call(
-                lambda eng: self._pin(eng, request_id, prompt, out.token_ids[-1]))
-        else:
+        # checked before the pin: a result that cannot be sent pins nothing
+        result = PrefillResult(token_ids=list(out.token_ids), logprobs=out.logprobs,
+                               finish_reason=None if goes_on else out.finish_reason,
+                               stop_reason=out.stop_reason,
+                               num_cached_tokens=out.num_cached_tokens,
+                               queue_seconds=out.metrics.get("queue_s", 0.0))
+        if not goes_on:
             await self.engine.call(lambda eng: eng.release(request_id))
-        return PrefillResult(token_ids=list(out.token_ids), logprobs=out.logprobs,
-                             finish_reason=None if goes_on else out.finish_reason,
-                             stop_reason=out.stop_reason, transfer=ticket,
-                             num_cached_tokens=out.num_cached_tokens,
-                             queue_seconds=out.metrics.get("queue_s", 0.0),
-                             draft_token_ids=drafts)
+            return result
+        ticket, drafts = await self.engine.call(
+            lambda eng: self._pin(eng, request_id, prompt, out.token_ids[-1]))
+        return result.model_copy(update={"transfer": ticket, "draft_token_ids": drafts})
 
     def admit(self, eng, request_id, prompt, params) -> None:
         """A prompt to compute: its memory is held when it finishes, for a lease."""
