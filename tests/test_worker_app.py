@@ -123,3 +123,51 @@ def test_a_worker_whose_engine_stopped_says_so_on_every_endpoint_the_router_read
     assert client.get("/stats", headers=AUTH).status_code == 200
     r = client.post("/prefill", json=PREFILL, headers=AUTH)
     assert r.status_code == 503 and "engine_dead" not in r.json()
+
+
+def test_a_lease_whose_router_left_during_the_prefill_is_abandoned_at_once():
+    """The router's connection closed while the prompt ran (its caller went away): the
+    prefill worker frees the lease it pinned instead of holding the memory until the lease
+    expires; a router still there gets its ticket, and the lease stays."""
+    import asyncio
+    import json
+
+    from serving.messages import PrefillResult
+    from transfer import Ticket
+
+    ticket = Ticket(agent="prefill-x", address=("127.0.0.1", 9), lease="ab.1", ttl=30.0)
+    abandoned = []
+
+    async def prefill(req):
+        return PrefillResult(token_ids=[7], transfer=ticket)
+
+    worker = SimpleNamespace(role="prefill", engine=SimpleNamespace(check_health=lambda: None),
+                             prefill=prefill, abandon=abandoned.append)
+    app = build_app(worker, secret=SECRET, max_body_bytes=4096)
+
+    def post(then):
+        """POST /prefill over ASGI; after the body the connection sends ``then``."""
+        body = json.dumps(PREFILL).encode()
+        messages = [{"type": "http.request", "body": body, "more_body": False}, then]
+        sent = []
+
+        async def receive():
+            return messages.pop(0) if messages else await asyncio.Event().wait()
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+                 "method": "POST", "scheme": "http", "path": "/prefill", "raw_path": b"/prefill",
+                 "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1),
+                 "server": ("127.0.0.1", 2),
+                 "headers": [(b"authorization", AUTH["Authorization"].encode()),
+                             (b"content-type", b"application/json"),
+                             (b"content-length", str(len(body)).encode())]}
+        asyncio.run(asyncio.wait_for(app(scope, receive, send), 5))
+        return sent[0]["status"]
+
+    assert post({"type": "http.request", "body": b"", "more_body": False}) == 200
+    assert abandoned == []
+    post({"type": "http.disconnect"})
+    assert abandoned == ["ab.1"]

@@ -98,6 +98,11 @@ def build_app(worker, *, secret: str, max_body_bytes: int) -> FastAPI:
         @app.post("/prefill")
         async def prefill(request: Request):
             result = await worker.prefill(await _body(request, PrefillRequest))
+            if result.transfer is not None and await request.is_disconnected():
+                # the router gave up while the prompt ran (its caller went away, or a
+                # timeout): no decode worker will claim the lease, so it need not wait
+                # to expire
+                worker.abandon(result.transfer.lease)
             return JSONResponse(result.model_dump(mode="json"))
 
         @app.post("/peer_lost")
