@@ -9,11 +9,18 @@ from __future__ import annotations
 import json
 from typing import Callable
 
+from starlette.exceptions import HTTPException
+
 DEFAULT_MAX_BYTES = 32 << 20  # a 262144-token prompt as JSON ids is about 2 MiB
 
 
-class _TooLarge(Exception):
-    pass
+class _TooLarge(HTTPException):
+    """Raised from the body as the app reads it: an HTTPException, so that the app answers
+    413 in its own error format (FastAPI answers 400 for any other error raised while it
+    reads a body)."""
+
+    def __init__(self, message: str):
+        super().__init__(413, message)
 
 
 class BodyLimit:
@@ -41,7 +48,7 @@ class BodyLimit:
             if m["type"] == "http.request":
                 seen += len(m.get("body", b""))
                 if seen > self.max_bytes:
-                    raise _TooLarge
+                    raise _TooLarge(message)
             return m
 
         async def tracked(m):

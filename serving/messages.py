@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from serving.engine import RequestOutput, SamplingParams
 from serving.engine.config import MAX_SPECULATIVE_TOKENS
+from serving.engine.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from transfer import Ticket
 from transfer.lease import ID as LEASE_ID
 
@@ -52,9 +53,9 @@ class Sampling(Message):
     top_p: float = Field(1.0, gt=0, le=1)
     min_p: float = Field(0.0, ge=0, le=1)
     seed: int | None = Field(None, ge=0, lt=2**32)
-    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=1024)
-    stop: list[Annotated[str, Field(min_length=1, max_length=1024)]] = Field(
-        default_factory=list, max_length=64)
+    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
+    stop: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]] = Field(
+        default_factory=list, max_length=MAX_STOP_STRINGS)
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = Field(None, ge=0, lt=2**31)

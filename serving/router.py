@@ -168,10 +168,10 @@ class Router:
         url = self.prefill.pick(exclude=down, keys=keys)
         if url is None:
             raise Unavailable(f"no prefill worker is live: {self._why(self.prefill.urls)}")
-        self.prefill.prefixes.record(keys, url)
-        self.prefill.load[url] += 1
         body = PrefillRequest(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
                               params=Sampling.of(params))
+        self.prefill.prefixes.record(keys, url)
+        self.prefill.load[url] += 1
         try:
             r = await self._client.post(f"{url}/prefill", content=body.model_dump_json(),
                                         headers={"Content-Type": "application/json"})

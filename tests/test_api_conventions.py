@@ -309,6 +309,23 @@ def test_bad_tool_requests_are_400(served, name, body, param):
     assert err["param"] == param or param in err["message"], err
 
 
+@pytest.mark.parametrize("body", [
+    {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "description": "\ud800"}}}]},  # a schema is any JSON object
+    {"messages": ASK + [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+        "function": {"name": "f", "arguments": '{"a": "\\ud800"}'}}]}]},  # JSON-escaped
+])
+def test_a_lone_surrogate_that_reaches_the_template_is_400(served, body):
+    """Text fields refuse lone surrogates where they arrive; a tool's schema or a call's
+    JSON-escaped arguments reach the prompt only through the template, whose output is
+    checked too (unchecked, the tokenizer raised and the server answered 500)."""
+    _, url = served["coder"]
+    r = httpx.post(url + "/v1/chat/completions", headers={"content-type": "application/json"},
+                   content=json.dumps({"messages": ASK, **body}))  # ASCII: the surrogate escaped
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "messages" and "U+D800" in r.json()["error"]["message"]
+
+
 def test_tools_the_template_cannot_render_are_400(tok, tmp_path):
     from qwen35_jax import builtin
     plain = Tokenizer(builtin.resolve("tiny-math"))  # its template knows no tools
@@ -425,3 +442,24 @@ def test_generation_config_gives_the_sampling_defaults(tmp_path):
         options("--generation-config", str(other))
     with pytest.raises(SystemExit, match="needs --tool-call-parser"):
         options("--enable-auto-tool-choice")
+
+
+def test_a_body_over_the_limit_is_a_413_whether_its_length_is_declared_or_not(tok):
+    """Refused by its Content-Length at once, or, sent in chunks without one, as soon as
+    what arrived passes the limit: 413 in OpenAI's error shape either way."""
+    server, thread, url = _serve(build_app(Replies(tok), tok, "tiny", max_request_bytes=4096))
+    body = json.dumps({"prompt": "a " * 4096, "max_tokens": 1}).encode()
+    headers = {"content-type": "application/json"}
+    try:
+        declared = httpx.post(url + "/v1/completions", content=body, headers=headers)
+        chunked = httpx.post(url + "/v1/completions", headers=headers,
+                             content=iter([body[:1000], body[1000:]]))
+        fits = httpx.post(url + "/v1/completions", headers=headers,
+                          content=iter([b'{"prompt": "x",', b' "max_tokens": 1}']))
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+    assert "content-length" not in chunked.request.headers
+    for r in (declared, chunked):
+        assert r.status_code == 413 and r.json()["error"]["code"] == 413, r.text
+    assert fits.status_code == 200, fits.text

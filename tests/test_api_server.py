@@ -156,8 +156,13 @@ def test_sse_ends_with_done(server):
 
 def test_sampling_options_accepted(client):
     r = complete(client, prompt="Options", max_tokens=6, temperature=0.8, top_p=0.9, seed=1,
-                 extra_body={"top_k": 20, "min_p": 0.05, "ignore_eos": True})
+                 extra_body={"top_k": 20, "min_p": 0.05, "ignore_eos": True,
+                             "use_beam_search": False, "presence_penalty": 0})  # their no-ops
     assert r.usage.completion_tokens == 6
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                       max_tokens=2, response_format={"type": "text"},
+                                       extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 2
 
 
 # ---- chat -----------------------------------------------------------------
@@ -219,6 +224,13 @@ TOO_LONG = list(range(3, 3 + api_server.MAX_MODEL_LEN))
     ({"prompt": [[1, 2], []]}, "prompt"),
     ({"prompt": "x", "stop": [""]}, "stop"),
     ({"prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty"),
+    ({"prompt": "x", "stop": ["a"] * 65}, "stop"),  # each is searched for after every token
+    ({"prompt": "x", "stop": "a" * 1025}, "stop"),
+    ({"prompt": "x", "stop_token_ids": [1] * 1025}, "stop_token_ids"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": "x", "guided_regex": "a+"}, "guided_regex"),  # vLLM's, not implemented here
+    ({"prompt": "x", "use_beam_search": True}, "use_beam_search"),
+    ({"prompt": "x", "skip_special_tokens": False}, "skip_special_tokens"),
     ({}, "prompt"),
 ])
 def test_bad_completion_is_400(server, body, param):
@@ -237,6 +249,10 @@ def test_bad_completion_is_400(server, body, param):
     ({"messages": MESSAGES, "top_logprobs": 99, "logprobs": True}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x" * 2000}]}, "messages"),
     ({"messages": MESSAGES, "max_completion_tokens": 10_000}, "max_completion_tokens"),
+    ({"messages": MESSAGES, "top_logprobs": 3}, "top_logprobs"),  # without logprobs
+    ({"messages": MESSAGES, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": MESSAGES, "guided_choice": ["yes", "no"]}, "guided_choice"),
+    ({"messages": MESSAGES, "continue_final_message": True}, "continue_final_message"),
 ])
 def test_bad_chat_is_400(server, body, param):
     r = post(server, "/v1/chat/completions", body)

@@ -234,6 +234,22 @@ def test_streams_deliver_the_same(servers, chat, kw):
 def test_lone_surrogates_are_the_same_400_on_both(servers, body, param):
     """JSON can carry a lone surrogate ("\\ud800"), which is no Unicode text: it can be
     neither tokenized nor encoded, so both servers refuse it as the client's mistake."""
+    error = _the_same_400(servers, body)
+    assert error["param"] == param and "lone surrogate" in error["message"]
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "fine", "stop": ["a"] * 65}, "stop"),
+    ({"prompt": "fine", "stop_token_ids": [1] * 1025}, "stop_token_ids"),
+    ({"prompt": "fine", "guided_regex": "a+"}, "guided_regex"),
+])
+def test_options_past_the_limits_or_unserved_are_the_same_400_on_both(servers, body, param):
+    assert _the_same_400(servers, body)["param"] == param
+
+
+def _the_same_400(servers, body) -> dict:
+    """The error both servers answer a completion request of ``body`` with, sent as
+    ASCII JSON (the openai client cannot encode a lone surrogate)."""
     agg, disagg, _ = servers
     answers = []
     for url in (agg, disagg):
@@ -243,7 +259,7 @@ def test_lone_surrogates_are_the_same_400_on_both(servers, body, param):
         assert r.status_code == 400, r.text
         answers.append(r.json())
     assert answers[0] == answers[1]
-    assert answers[0]["error"]["param"] == param and "lone surrogate" in answers[0]["error"]["message"]
+    return answers[0]["error"]
 
 
 def test_chat_with_a_lone_surrogate_is_a_400(servers):

@@ -398,3 +398,24 @@ def test_the_router_closes_idle_connections_before_a_worker_does():
     router = Router(["http://p"], ["http://d"], secret=SECRET, max_model_len=64, max_logprobs=0)
     assert router._client._transport._pool._keepalive_expiry == ROUTER_IDLE_SECONDS
     assert WORKER_IDLE_SECONDS >= 2 * ROUTER_IDLE_SECONDS
+
+
+def test_a_request_the_wire_refuses_leaves_no_load_behind():
+    """Params the workers' wire format refuses (a max_tokens past int32) are a 400 before
+    anything is posted, and the prefill worker's load, which picks the next worker, is
+    what it was."""
+    import httpx
+    from pydantic import ValidationError
+
+    router = Router(["http://p"], ["http://d"], secret=SECRET, max_model_len=64, max_logprobs=0)
+    router._client = httpx.AsyncClient(transport=httpx.MockTransport(
+        lambda request: pytest.fail(f"posted {request.url.path}")))
+    router._ensure_polling = lambda: None
+
+    async def go():
+        for _ in range(3):
+            with pytest.raises(ValidationError, match="max_tokens"):
+                await router.add("r", [5, 6], SamplingParams(max_tokens=2**31))
+
+    asyncio.run(go())
+    assert router.prefill.load["http://p"] == 0

@@ -11,17 +11,25 @@ from dataclasses import dataclass, field, replace
 
 from serving.api.chat_output import ChatParsing
 from serving.api.errors import APIError
-from serving.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from serving.api.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest,
+                                  unicode_text)
 from serving.api.text import Tokenizer
 from serving.engine import SamplingParams
 
 # Options of OpenAI's or vLLM's API that the engine does not implement, with
-# their no-op values: a request is refused only when it asks for an effect.
-UNSUPPORTED = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1,
-               "logit_bias": {}, "best_of": 1, "suffix": "", "prompt_logprobs": None,
-               "min_tokens": 0, "bad_words": [], "allowed_token_ids": None,
-               "response_format": None, "guided_json": None, "functions": None,
-               "function_call": None}
+# their no-op values: a request is refused only when it asks for an effect (an unset
+# option, null, is none). Other unknown fields are ignored, as vLLM ignores them.
+UNSUPPORTED = {"presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
+               "logit_bias": ({},), "best_of": (1,), "suffix": ("",), "prompt_logprobs": (),
+               "min_tokens": (0,), "bad_words": ([],), "allowed_token_ids": (),
+               "response_format": ({"type": "text"},), "functions": (), "function_call": (),
+               "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+               "structured_outputs": (), "use_beam_search": (False,), "length_penalty": (1,),
+               "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
+               "truncate_prompt_tokens": (), "return_tokens_as_token_ids": (False,),
+               "logits_processors": (), "chat_template": (), "echo": (False,),
+               "add_generation_prompt": (True,), "continue_final_message": (False,),
+               "documents": ()}
 # Arguments of `apply_chat_template` itself, which `chat_template_kwargs` may not set.
 RESERVED_TEMPLATE_KWARGS = frozenset({
     "conversation", "messages", "tools", "documents", "chat_template", "tokenize",
@@ -70,8 +78,13 @@ class ServerOptions:
 
 def check_supported(body) -> None:
     for name, value in (body.model_extra or {}).items():
-        if name in UNSUPPORTED and value is not None and value != UNSUPPORTED[name]:
+        if name in UNSUPPORTED and value is not None and value not in UNSUPPORTED[name]:
             raise APIError(f"{name}: not supported by this server", name)
+    if body.stream_options is not None and not body.stream:
+        raise APIError("stream_options: only with stream", "stream_options")
+    chat = isinstance(body, ChatCompletionRequest)
+    if chat and body.top_logprobs is not None and not body.logprobs:
+        raise APIError("top_logprobs: only with logprobs", "top_logprobs")
 
 
 def check_model(model: str | None, limits: Limits) -> None:
@@ -118,10 +131,15 @@ def chat_text(body, tok: Tokenizer, with_tools: bool = True,
     tools = [t.model_dump(exclude_none=True) for t in body.tools or []] if with_tools else []
     kwargs = template_kwargs(body.chat_template_kwargs)
     try:
-        return tok.chat_text(messages, tools or None, add_generation_prompt=add_generation_prompt,
+        text = tok.chat_text(messages, tools or None, add_generation_prompt=add_generation_prompt,
                              **kwargs)
     except Exception as e:  # noqa: BLE001 -- templates raise anything (jinja, ValueError)
         raise APIError(f"messages: cannot apply the chat template: {e}", "messages") from e
+    try:  # a template's tojson may write out what the fields' checks cannot see: a tool's
+        # schema, or tool-call arguments decoded from JSON escapes
+        return unicode_text(text)
+    except ValueError as e:
+        raise APIError(f"messages: the rendered prompt is not text: {e}", "messages") from None
 
 
 def template_kwargs(kwargs: dict | None) -> dict:
@@ -233,8 +251,8 @@ def sampling_params(body, *, max_tokens: int, logprobs: int | None, limits: Limi
             stop=stop, stop_token_ids=stop_ids,
             include_stop_str_in_output=body.include_stop_str_in_output,
             ignore_eos=body.ignore_eos, logprobs=logprobs)
-    except ValueError as e:  # SamplingParams' own checks; the message names the field
-        raise APIError(str(e)) from e
+    except ValueError as e:  # SamplingParams' own checks; each message starts with the field
+        raise APIError(str(e), str(e).split(" ", 1)[0].rstrip(":")) from e
 
 
 def check_length(prompt: Prompt, max_tokens: int, limits: Limits, field: str) -> None:

@@ -27,7 +27,8 @@ TokenId = Annotated[int, Field(ge=0)]
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def _unicode(text: str) -> str:
+def unicode_text(text: str) -> str:
+    """`text`, or ValueError naming its first lone surrogate."""
     found = _SURROGATE.search(text)
     if found:
         raise ValueError(f"lone surrogate U+{ord(found.group()):04X} at character "
@@ -35,7 +36,7 @@ def _unicode(text: str) -> str:
     return text
 
 
-Text = Annotated[str, AfterValidator(_unicode)]
+Text = Annotated[str, AfterValidator(unicode_text)]
 
 
 def _prompt_kind(value) -> str:

@@ -2,6 +2,12 @@
 
 from dataclasses import dataclass, field
 
+# Stop conditions a request may set: each stop string is searched for after every token
+# of its request (serving/engine/stop.py), so their number and length bound that work.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024  # a stop string's length
+MAX_STOP_TOKEN_IDS = 1024
+
 
 @dataclass
 class SamplingParams:
@@ -27,6 +33,11 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop_token_ids = list(self.stop_token_ids)
+        if len(self.stop) > MAX_STOP_STRINGS or any(len(x) > MAX_STOP_CHARS for x in self.stop):
+            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings of at most "
+                             f"{MAX_STOP_CHARS} characters")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS}")
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
         if self.temperature < 0:
