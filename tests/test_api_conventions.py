@@ -365,6 +365,21 @@ def test_tokenize_detokenize_version_ping(served, tok):
     assert httpx.get(url + "/ping").status_code == 200 == httpx.post(url + "/ping").status_code
 
 
+@pytest.mark.parametrize("body, param", [
+    ({"messages": [{"role": "user", "content": 1}]}, "messages"),
+    ({"prompt": 5}, "prompt"),
+    ({"prompt": "x", "messages": []}, "messages"),  # messages make it the chat form
+])
+def test_a_bad_tokenize_body_is_named_by_its_field(served, body, param):
+    """/tokenize takes a prompt or messages; a bad body is read as the form it claims, so
+    the error names its field, not the other form's missing one."""
+    _, url = served["plain"]
+    r = httpx.post(url + "/tokenize", json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"].startswith(param), err
+
+
 def test_continuous_usage_stats(served):
     backend, url = served["plain"]
     backend.reply = "one two three four"

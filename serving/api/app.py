@@ -36,8 +36,8 @@ from serving.api.prepare import (Limits, Prompt, ServerOptions, chat_jobs, chat_
 from serving.api.protocol import (ChatCompletionChunk, ChatCompletionRequest,
                                   ChatCompletionResponse, CompletionRequest, CompletionResponse,
                                   DetokenizeRequest, DetokenizeResponse, ErrorResponse,
-                                  ModelCard, ModelList, TokenizeChatRequest,
-                                  TokenizeCompletionRequest, TokenizeResponse, VersionResponse)
+                                  ModelCard, ModelList, TokenizeCompletionRequest,
+                                  TokenizeRequest, TokenizeResponse, VersionResponse)
 from serving.api.text import Tokenizer
 from serving.body_limit import DEFAULT_MAX_BYTES, BodyLimit
 from serving.secret import bearer_matches
@@ -131,7 +131,7 @@ def build_app(backend: Backend, tokenizer: Tokenizer, model_name: str, *,
 
     @app.post("/tokenize", response_model=TokenizeResponse, dependencies=keyed,
               responses=_ERRORS)
-    async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest):
+    async def tokenize(body: TokenizeRequest):
         """A prompt's token ids, as /v1/completions or (with `messages`) as
         /v1/chat/completions would compute it."""
         check_model(body.model, limits)

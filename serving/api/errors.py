@@ -55,7 +55,8 @@ def validation_error(exc: RequestValidationError) -> APIError:
     # A union field fails once per member tried; a member's own validator (a value
     # error) says more than the other members' type mismatches.
     err = next((e for e in errors if e.get("type") == "value_error"), errors[0])
-    loc = [_VALIDATED.sub(r"\1", str(x)) for x in err.get("loc", ()) if x != "body"]
+    loc = [_VALIDATED.sub(r"\1", str(x)) for x in err.get("loc", ())
+           if x != "body" and not str(x).startswith("body:")]  # a body's form (protocol)
     if err.get("type") == "json_invalid":
         return APIError(f"Invalid JSON: {err.get('msg')}")
     # A union's member appears in the path under its type name or tag ("list[str]",

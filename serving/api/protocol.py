@@ -172,6 +172,20 @@ class TokenizeChatRequest(_Body):
     chat_template_kwargs: dict | None = None
 
 
+def _tokenize_kind(value) -> str:
+    """Which body a /tokenize request is, by whether it has messages: it is validated as
+    that one alone, so an error names the field the client got wrong."""
+    chat = isinstance(value, TokenizeChatRequest) or isinstance(value, dict) and "messages" in value
+    return "body:chat" if chat else "body:prompt"
+
+
+# (a tag "body:..." names a whole body's form; errors.validation_error leaves it out of
+# the path it reports)
+TokenizeRequest = Annotated[Annotated[TokenizeCompletionRequest, Tag("body:prompt")]
+                            | Annotated[TokenizeChatRequest, Tag("body:chat")],
+                            Discriminator(_tokenize_kind)]
+
+
 class DetokenizeRequest(_Body):
     model: Text | None = None
     tokens: list[TokenId]
