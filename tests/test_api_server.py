@@ -231,6 +231,8 @@ TOO_LONG = list(range(3, 3 + api_server.MAX_MODEL_LEN))
     ({"prompt": "x", "guided_regex": "a+"}, "guided_regex"),  # vLLM's, not implemented here
     ({"prompt": "x", "use_beam_search": True}, "use_beam_search"),
     ({"prompt": "x", "skip_special_tokens": False}, "skip_special_tokens"),
+    ({"prompt": ["x"] * 1025}, "prompt"),  # each prompt is queued: at most 1024 a request
+    ({"prompt": [[5]] * 1025}, "prompt"),
     ({}, "prompt"),
 ])
 def test_bad_completion_is_400(server, body, param):

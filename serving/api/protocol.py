@@ -22,6 +22,9 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag
 
 MAX_N = 16  # choices per prompt; each is a separate engine request
+# prompts in one completion request: each is tokenized, then queued with the others, so
+# a request of many thousands would tie the server up only to be refused for room
+MAX_PROMPTS = 1024
 
 TokenId = Annotated[int, Field(ge=0)]
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -54,9 +57,11 @@ def _prompt_kind(value) -> str:
 
 
 # A prompt: text, texts, token ids, or lists of token ids (one completion each).
-Prompt = Annotated[Annotated[Text, Tag("text")] | Annotated[list[Text], Tag("texts")]
+Prompt = Annotated[Annotated[Text, Tag("text")]
+                   | Annotated[list[Text], Field(max_length=MAX_PROMPTS), Tag("texts")]
                    | Annotated[list[TokenId], Tag("tokens")]
-                   | Annotated[list[list[TokenId]], Tag("token_lists")],
+                   | Annotated[list[list[TokenId]], Field(max_length=MAX_PROMPTS),
+                               Tag("token_lists")],
                    Discriminator(_prompt_kind)]
 
 
