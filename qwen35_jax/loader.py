@@ -131,7 +131,7 @@ def layer_target(cfg: Qwen35Config, sub: str):
         if pm:
             return pm.expand(path), (), fn, None
     pm = PER_EXPERT.fullmatch(sub)
-    if pm and cfg.is_moe:
+    if pm and cfg.is_moe and int(pm.group(1)) < cfg.num_experts:
         e, which = int(pm.group(1)), pm.group(2)
         inter = cfg.moe_intermediate_size
         if which == "down_proj":
@@ -310,6 +310,7 @@ def from_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, *,
         filled[ppath].add(index if len(index) == lead else
                           index[:lead] + ((index[lead], cols.start if cols else 0),))
 
+    fp8_weights, scaled = set(), set()  # names of e4m3 weights; of weights given a scale
     bar = tqdm(total=total, desc="loading weights", unit="tensor", disable=not progress)
     for shard in shards:
         with safe_open(shard, framework="flax") as f:
@@ -331,6 +332,8 @@ def from_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, *,
                 if (is_scale or dt == "F8_E4M3") and not fp8:
                     raise CheckpointError(f"{path}: tensor {name!r} is FP8 but {ppath} is not "
                                           f"one of this config's fp8_modules {cfg.fp8_modules}")
+                (scaled.add(name[:-len(SCALE_SUFFIX)]) if is_scale
+                 else fp8_weights.add(name) if dt == "F8_E4M3" else None)
                 value = fn(read_tensor(f, shard, name, dt))
                 if is_scale:
                     put(_scale_path(ppath), value.astype(jnp.float32), index, _scale_cols(cols),
@@ -343,6 +346,14 @@ def from_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, *,
                 else:
                     put(ppath, value, index, cols, name)
     bar.close()
+    # a scale belongs to an e4m3 weight: beside a wider one it would rescale the weight's
+    # own values (or be overwritten by the scale its quantisation on load computes)
+    unpaired = sorted(scaled ^ fp8_weights)
+    if unpaired:
+        name = unpaired[0]
+        raise CheckpointError(f"{path}: {name!r} is " + (
+            "FP8 e4m3 without its weight_scale_inv" if name in fp8_weights
+            else "not FP8 e4m3 but has a weight_scale_inv beside it"))
     filled = {k: _layers_covered(cfg, k, v) for k, v in filled.items()}
     missing = [k for k in flat if not expected[k] <= filled[k]]
     if missing:

@@ -16,10 +16,12 @@ on a CPU the unset ones take the servers' small CPU defaults (`engine_defaults`)
 cache (`compilation_cache_dir`), so a second start compiles nothing.
 """
 
+import operator
 import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from qwen35_jax import builtin
 from serving.engine import Engine, EngineConfig, RequestOutput, SamplingParams
@@ -150,8 +152,11 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
                  ) -> list[RequestOutput]:
-        """Prompts: one or many, as token-id lists or (with a tokenizer) strings."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        """Prompts: one or many, as token-id lists (or NumPy arrays) or, with a tokenizer,
+        strings."""
+        if isinstance(prompts, np.ndarray):
+            prompts = prompts.tolist()
+        if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], (int, np.integer))):
             prompts = [prompts]
         ids = []
         for p in prompts:
@@ -159,7 +164,11 @@ class LLM:
                 if self.tokenizer is None:
                     raise ValueError("string prompts need a tokenizer; pass token ids")
                 p = self.tokenizer.encode(p)
-            ids.append(list(p))
+            try:
+                ids.append([operator.index(t) for t in p])
+            except TypeError:
+                raise ValueError(f"a prompt is a string or a list of token ids, "
+                                 f"got {p!r:.80}") from None
         return self.engine.generate(ids, sampling_params)
 
     def metrics(self) -> dict:

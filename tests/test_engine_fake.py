@@ -388,6 +388,22 @@ def test_hold_on_finish_keeps_memory_until_released(engine):
     engine.release(rid)
 
 
+def test_generate_refuses_a_params_list_of_another_length(engine):
+    with pytest.raises(ValueError, match="3 prompts but 1 SamplingParams"):
+        engine.generate([[5, 6], [7, 8], [9, 10]], [SamplingParams(max_tokens=2)])
+    assert not engine.has_unfinished()
+
+
+def test_max_logprobs_over_the_vocabulary_is_refused_at_construction():
+    cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=96,
+                       block_size=BLOCK, num_blocks=NUM_BLOCKS, num_slots=SLOTS,
+                       max_logprobs=VOCAB + 1,
+                       buckets=Buckets(prefill_tokens=(32,), prefill_seqs=(8,), decode_seqs=(8,)))
+    with pytest.raises(ValueError, match=f"max_logprobs {VOCAB + 1} is over"):  # not JAX's top_k
+        Engine(FakeModel(VOCAB), FakeCache.allocate(NUM_BLOCKS, BLOCK, cfg.num_state_rows), cfg,
+               batch_type=FakeBatch)
+
+
 def test_swap_cache_keeps_programs_and_refuses_other_shapes(engine):
     """The same compiled programs on a fresh cache of the same avals (bench/decode_step.py)
     give the same tokens without a compile; a cache of another shape is refused."""

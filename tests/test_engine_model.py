@@ -269,6 +269,15 @@ def test_string_prompt_needs_tokenizer(llm):
         llm.generate("hello")
 
 
+def test_prompts_as_numpy_are_token_ids_and_other_values_are_refused(llm):
+    sp = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    want = [o.token_ids for o in llm.generate([[5, 6, 7], [8, 9]], sp)]
+    assert [o.token_ids for o in llm.generate(np.array([5, 6, 7]), sp)] == want[:1]
+    assert [o.token_ids for o in llm.generate([np.array([5, 6, 7]), [np.int64(8), 9]], sp)] == want
+    with pytest.raises(ValueError, match="a list of token ids"):
+        llm.generate([[5, 6.5]], sp)
+
+
 def test_offline_bench_runs_on_cpu(tmp_path):
     from bench.offline import main
 

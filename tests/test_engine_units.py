@@ -344,3 +344,31 @@ def test_compiled_programs_go_to_the_persistent_cache(tmp_path):
                        env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert r.returncode == 0, r.stderr[-2000:]
     assert any((tmp_path / "xla").iterdir())  # an entry, however quick the compile
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(temperature=float("nan")), "temperature"),  # ran as greedy
+    (dict(temperature=float("inf")), "temperature"),  # drew uniformly
+    (dict(max_tokens=2.5), "max_tokens"),  # gave 3 tokens
+    (dict(max_tokens=float("nan")), "max_tokens"),  # ran to max_model_len
+    (dict(stop=["a"] * 65), "stop"),  # every stop string is searched after every token
+    (dict(stop="a" * 1025), "stop"),
+    (dict(stop_token_ids=[1] * 1025), "stop_token_ids"),
+])
+def test_sampling_params_refuse_what_a_step_cannot_honour(kw, match):
+    with pytest.raises(ValueError, match=f"^{match}"):
+        SamplingParams(**kw)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),  # admitted nothing, for ever
+    (dict(block_size=0), "block_size"),
+    (dict(max_model_len=-1), "max_model_len"),
+    (dict(num_blocks=0), "num_blocks"),
+    (dict(max_logprobs=-1), "max_logprobs"),
+])
+def test_engine_config_refuses_sizes_no_engine_can_run(kw, match):
+    from serving.engine import EngineConfig
+
+    with pytest.raises(ValueError, match=f"^{match}"):
+        EngineConfig(**kw)

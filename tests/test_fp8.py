@@ -301,7 +301,27 @@ def test_fp8_tensor_without_its_scale_is_named(checkpoints, tmp_path):
     del t[name]
     save_file(t, shard, metadata={"format": "pt"})
     json.dump(index, open(os.path.join(path, "model.safetensors.index.json"), "w"))
-    with pytest.raises(CheckpointError, match="linear_attn.out_proj.scale"):
+    with pytest.raises(CheckpointError, match="out_proj.weight' is FP8 e4m3 without its "
+                                              "weight_scale_inv"):
+        from_pretrained(path, dtype=jnp.float32, progress=False)
+
+
+def test_a_scale_beside_a_wider_weight_is_refused(checkpoints, tmp_path):
+    """A bf16 weight that kept its weight_scale_inv (an FP8 checkpoint half converted
+    back): the scale would rescale the weight's own values, so it is refused rather than
+    loaded wrong."""
+    import shutil
+    _, _, bf16, fp8, _ = checkpoints("dense")
+    path = str(tmp_path / "stale")
+    shutil.copytree(fp8, path)
+    name = "model.layers.3.self_attn.o_proj.weight"
+    index = json.load(open(os.path.join(path, "model.safetensors.index.json")))
+    shard = os.path.join(path, index["weight_map"][name])
+    t = load_file(shard)
+    t[name] = load_file(os.path.join(bf16, index["weight_map"][name]))[name]
+    save_file(t, shard, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="o_proj.weight' is not FP8 e4m3 but has a "
+                                              "weight_scale_inv"):
         from_pretrained(path, dtype=jnp.float32, progress=False)
 
 

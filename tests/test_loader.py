@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from checkpoints import save_official
+from checkpoints import save_hf, save_official
 from hf_reference import hf_model
 from qwen35_jax import (CheckpointError, ConfigError, from_pretrained, get_preset,
                         restore_params, save_params)
@@ -73,6 +73,22 @@ def test_unexpected_tensor(good, tmp_path):
     name = "model.language_model.layers.0.input_layernorm.weight"
     rewrite(path, name, lambda t: t.update({"model.language_model.layers.0.foo.bias": torch.zeros(3)}))
     with pytest.raises(CheckpointError, match="unexpected tensor.*foo.bias"):
+        from_pretrained(path, progress=False)
+
+
+def test_an_expert_past_num_experts_is_unexpected(good, tmp_path):
+    """Per-expert tensors (transformers' own layout) of an expert the config does not have
+    are refused: written, they would land on the last expert (a clamped write) and leave
+    the one they replaced zero."""
+    cfg, _ = good
+    path = save_hf(hf_model(cfg, seed=7), str(tmp_path / "per-expert"), shard_size="100MB")
+    [shard] = [os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors")]
+    tensors = load_file(shard)
+    old = "model.layers.0.mlp.experts.1."
+    for name in [n for n in tensors if n.startswith(old)]:
+        tensors[name.replace(old, f"model.layers.0.mlp.experts.{cfg.num_experts}.")] = tensors.pop(name)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=f"unexpected tensor.*experts.{cfg.num_experts}"):
         from_pretrained(path, progress=False)
 
 

@@ -93,6 +93,9 @@ class Engine(RemoteMemory):
                              f"blocks, the cache has {c.num_blocks}")
         self.tokenizer = tokenizer
         self.vocab_size = model.config.vocab_size  # token ids outside it are refused
+        if c.max_logprobs > self.vocab_size:
+            raise ValueError(f"max_logprobs {c.max_logprobs} is over the vocabulary's "
+                             f"{self.vocab_size} tokens")
         self.blocks = BlockPool(c.num_blocks)
         self.slots = SlotPool(c.num_slots)
         self.fence = StepFence()
@@ -223,6 +226,8 @@ class Engine(RemoteMemory):
         """Run prompts to completion; outputs in prompt order."""
         if not isinstance(params, list):
             params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
         done: dict[str, RequestOutput] = {}
         while self.has_unfinished():
