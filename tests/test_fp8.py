@@ -266,22 +266,30 @@ def test_quantization_on_load_is_the_fp8_checkpoint(checkpoints, kind):
     assert n_fp8 == n_scales >= len(checkpoint_config(fp8).fp8_modules)
 
 
-def test_a_layer_left_in_bf16_is_quantised_on_load(checkpoints, tmp_path):
-    """A tensor the checkpoint kept in bf16 where the other layers are FP8 (a per-layer
-    modules_to_not_convert) loads quantised by the same rule."""
+def _fp8_with_a_bf16_tensor(checkpoints, path, name: str, keep_scale: bool) -> str:
+    """A copy at ``path`` of the dense FP8 checkpoint whose tensor ``name`` is the bf16
+    checkpoint's, its weight_scale_inv kept beside it or dropped."""
     import shutil
-    cfg, _, bf16, fp8, _ = checkpoints("dense")
-    path = str(tmp_path / "mixed")
+    _, _, bf16, fp8, _ = checkpoints("dense")
     shutil.copytree(fp8, path)
-    name = "model.layers.1.mlp.down_proj.weight"
-    index = json.load(open(os.path.join(path, "model.safetensors.index.json")))
+    index_path = os.path.join(path, "model.safetensors.index.json")
+    index = json.load(open(index_path))
     shard = os.path.join(path, index["weight_map"][name])
     t = load_file(shard)
     t[name] = load_file(os.path.join(bf16, index["weight_map"][name]))[name]
-    del t[name + "_scale_inv"]
+    if not keep_scale:
+        del t[name + "_scale_inv"], index["weight_map"][name + "_scale_inv"]
+        json.dump(index, open(index_path, "w"))
     save_file(t, shard, metadata={"format": "pt"})
-    del index["weight_map"][name + "_scale_inv"]
-    json.dump(index, open(os.path.join(path, "model.safetensors.index.json"), "w"))
+    return path
+
+
+def test_a_layer_left_in_bf16_is_quantised_on_load(checkpoints, tmp_path):
+    """A tensor the checkpoint kept in bf16 where the other layers are FP8 (a per-layer
+    modules_to_not_convert) loads quantised by the same rule."""
+    fp8 = checkpoints("dense")[3]
+    path = _fp8_with_a_bf16_tensor(checkpoints, str(tmp_path / "mixed"),
+                                   "model.layers.1.mlp.down_proj.weight", keep_scale=False)
     a = _params(from_pretrained(path, dtype=jnp.float32, progress=False))
     b = _params(from_pretrained(fp8, dtype=jnp.float32, progress=False))
     for k in ("groups.gdn.mlp.down_proj.kernel", "groups.gdn.mlp.down_proj.scale"):
@@ -310,16 +318,8 @@ def test_a_scale_beside_a_wider_weight_is_refused(checkpoints, tmp_path):
     """A bf16 weight that kept its weight_scale_inv (an FP8 checkpoint half converted
     back): the scale would rescale the weight's own values, so it is refused rather than
     loaded wrong."""
-    import shutil
-    _, _, bf16, fp8, _ = checkpoints("dense")
-    path = str(tmp_path / "stale")
-    shutil.copytree(fp8, path)
-    name = "model.layers.3.self_attn.o_proj.weight"
-    index = json.load(open(os.path.join(path, "model.safetensors.index.json")))
-    shard = os.path.join(path, index["weight_map"][name])
-    t = load_file(shard)
-    t[name] = load_file(os.path.join(bf16, index["weight_map"][name]))[name]
-    save_file(t, shard, metadata={"format": "pt"})
+    path = _fp8_with_a_bf16_tensor(checkpoints, str(tmp_path / "stale"),
+                                   "model.layers.3.self_attn.o_proj.weight", keep_scale=True)
     with pytest.raises(CheckpointError, match="o_proj.weight' is not FP8 e4m3 but has a "
                                               "weight_scale_inv"):
         from_pretrained(path, dtype=jnp.float32, progress=False)
