@@ -1,5 +1,6 @@
 """Engine options (vLLM flag names where one exists)."""
 
+import numbers
 from dataclasses import dataclass
 
 from serving.engine.buckets import Buckets
@@ -68,12 +69,13 @@ class EngineConfig:
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
-            if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
-                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        if self.num_blocks is not None and not (isinstance(self.num_blocks, int)
+            value = getattr(self, name)
+            if not (isinstance(value, numbers.Integral) and value >= 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.num_blocks is not None and not (isinstance(self.num_blocks, numbers.Integral)
                                                 and self.num_blocks >= 1):
             raise ValueError(f"num_blocks must be a positive integer, got {self.num_blocks!r}")
-        if not (isinstance(self.max_logprobs, int) and self.max_logprobs >= 0):
+        if not (isinstance(self.max_logprobs, numbers.Integral) and self.max_logprobs >= 0):
             raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
         if self.num_slots is None:
             self.num_slots = self.max_num_seqs

@@ -1,6 +1,7 @@
 """Per-request sampling and stopping options (vLLM names and defaults)."""
 
 import math
+import numbers
 from dataclasses import dataclass, field
 
 # Stop conditions a request may set: each stop string is searched for after every token
@@ -39,7 +40,7 @@ class SamplingParams:
                              f"{MAX_STOP_CHARS} characters")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not isinstance(self.max_tokens, numbers.Integral) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"temperature must be finite and >= 0, got {self.temperature!r}")
