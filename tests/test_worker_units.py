@@ -553,3 +553,33 @@ def test_a_call_sent_as_the_engine_thread_dies_ends_with_engine_dead():
     finally:
         aeng.shutdown()
         eng.close()
+
+
+def test_a_prefill_whose_result_cannot_be_sent_pins_nothing_and_frees_its_memory(monkeypatch):
+    """The first token's result fails its own checks (a NaN logprob, say): no lease is
+    pinned for it, and the memory held for that lease goes back to the pools."""
+    from serving.messages import PrefillRequest
+    from serving.worker import prefill as prefill_module
+
+    def unsendable(**fields):
+        raise ValueError("logprobs: a NaN")
+
+    monkeypatch.setattr(prefill_module, "PrefillResult", unsendable)
+    eng = _engine()
+    w = PrefillWorker.__new__(PrefillWorker)
+    w.transfer = SimpleNamespace(pin=lambda *a, **k: pytest.fail("pinned"), collect=list)
+    w.engine = aeng = AsyncEngine(eng, connector=w)
+    req = PrefillRequest(request_id="p1", prompt_token_ids=[5, 6, 7, 8, 9, 10],
+                         params=Sampling(max_tokens=4, temperature=0.0))
+
+    async def run():
+        with pytest.raises(ValueError, match="NaN"):
+            await w.prefill(req)
+        await aeng.call(lambda e: e.fence.wait_all())
+        return await aeng.call(lambda e: (list(e.requests), e.blocks.num_free, e.slots.num_free))
+
+    try:
+        assert asyncio.run(run()) == ([], NUM_BLOCKS, SLOTS)
+    finally:
+        aeng.shutdown()
+        eng.close()

@@ -39,16 +39,17 @@ class PrefillWorker(WorkerBase):
         try:
             async for out in stream:
                 pass
+            goes_on = out.finish_reason == "length" and params.max_tokens > 1
+            # built before the pin: a result that cannot be sent (a NaN logprob) pins
+            # nothing, and its memory is discarded with the request
+            result = PrefillResult(token_ids=list(out.token_ids), logprobs=out.logprobs,
+                                   finish_reason=None if goes_on else out.finish_reason,
+                                   stop_reason=out.stop_reason,
+                                   num_cached_tokens=out.num_cached_tokens,
+                                   queue_seconds=out.metrics.get("queue_s", 0.0))
         except BaseException:
             await self.engine.call(lambda eng: eng.discard(request_id))
             raise
-        goes_on = out.finish_reason == "length" and params.max_tokens > 1
-        # checked before the pin: a result that cannot be sent pins nothing
-        result = PrefillResult(token_ids=list(out.token_ids), logprobs=out.logprobs,
-                               finish_reason=None if goes_on else out.finish_reason,
-                               stop_reason=out.stop_reason,
-                               num_cached_tokens=out.num_cached_tokens,
-                               queue_seconds=out.metrics.get("queue_s", 0.0))
         if not goes_on:
             await self.engine.call(lambda eng: eng.release(request_id))
             return result
