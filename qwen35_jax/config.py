@@ -146,15 +146,25 @@ class Qwen35Config:
         absent = sorted(set(self.fp8_modules) - set(applicable(self.fp8_modules, self.is_moe)))
         need(not absent, f"fp8_modules {absent} are not parameters of a "
                          f"{'MoE' if self.is_moe else 'dense'} model")
+        def positive(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+        need(isinstance(self.num_experts, int) and self.num_experts >= 0,
+             f"num_experts must be an integer >= 0, got {self.num_experts!r}")
         if self.is_moe:
-            need(0 < self.num_experts_per_tok <= self.num_experts,
+            need(isinstance(self.num_experts_per_tok, int)
+                 and 0 < self.num_experts_per_tok <= self.num_experts,
                  "num_experts_per_tok must be in 1..num_experts")
-            need(bool(self.moe_intermediate_size) and bool(self.shared_expert_intermediate_size),
-                 "MoE models need moe_intermediate_size and shared_expert_intermediate_size")
+            need(positive(self.moe_intermediate_size)
+                 and positive(self.shared_expert_intermediate_size),
+                 "MoE models need moe_intermediate_size and shared_expert_intermediate_size, "
+                 f"positive integers; got {self.moe_intermediate_size!r} and "
+                 f"{self.shared_expert_intermediate_size!r}")
             need(self.intermediate_size is None,
                  "a MoE config must not set a dense intermediate_size")
         else:
-            need(bool(self.intermediate_size), "dense models need intermediate_size")
+            need(positive(self.intermediate_size), "dense models need intermediate_size, a "
+                 f"positive integer; got {self.intermediate_size!r}")
             need(self.num_experts_per_tok == 0 and self.moe_intermediate_size is None,
                  "a dense config must not set MoE fields")
 
@@ -195,6 +205,9 @@ class Qwen35Config:
         """Build from a HF config dict (nested multimodal or flat text config)."""
         d = dict(d)
         top_type = d.get("model_type")
+        if "text_config" in d and not isinstance(d["text_config"], dict):
+            raise ConfigError(f"{name}: text_config must be an object, got "
+                              f"{d['text_config']!r:.80}")
         text_qc = (d.get("text_config") or {}).get("quantization_config")
         qc = d.pop("quantization_config", None) or text_qc
         if "text_config" in d and text_qc is not None:
@@ -270,11 +283,22 @@ class Qwen35Config:
         if rope:
             raise ConfigError(f"{name}: unknown rope_parameters fields {sorted(rope)}")
 
-        n_layers = t.pop("num_hidden_layers")
+        def required(key):
+            if key not in t:
+                raise ConfigError(f"{name}: missing config field {key!r}")
+            return t.pop(key)
+
+        n_layers = required("num_hidden_layers")
         interval = t.pop("full_attention_interval", None)
         layer_types = t.pop("layer_types", None)
+        if not (isinstance(n_layers, int) and n_layers > 0):
+            raise ConfigError(f"{name}: num_hidden_layers must be a positive integer, "
+                              f"got {n_layers!r}")
+        if interval is not None and not (isinstance(interval, int) and interval > 1):
+            raise ConfigError(f"{name}: full_attention_interval must be an integer > 1 (one "
+                              f"attention layer after interval-1 GDN layers), got {interval!r}")
         if layer_types is None:
-            interval = interval or 4
+            interval = interval or 4  # Qwen3.5's, when neither is given
             layer_types = [FULL if (i + 1) % interval == 0 else LINEAR for i in range(n_layers)]
         elif interval is not None:
             implied = [FULL if (i + 1) % interval == 0 else LINEAR for i in range(n_layers)]
@@ -287,11 +311,11 @@ class Qwen35Config:
         eos_ids = tuple(dict.fromkeys(eos_ids + (248046, 248044)))
 
         fields = dict(
-            vocab_size=t.pop("vocab_size"), hidden_size=t.pop("hidden_size"),
-            num_hidden_layers=n_layers, num_attention_heads=t.pop("num_attention_heads"),
-            num_key_value_heads=t.pop("num_key_value_heads"), head_dim=t.pop("head_dim", 256),
-            linear_num_key_heads=t.pop("linear_num_key_heads"),
-            linear_num_value_heads=t.pop("linear_num_value_heads"),
+            vocab_size=required("vocab_size"), hidden_size=required("hidden_size"),
+            num_hidden_layers=n_layers, num_attention_heads=required("num_attention_heads"),
+            num_key_value_heads=required("num_key_value_heads"), head_dim=t.pop("head_dim", 256),
+            linear_num_key_heads=required("linear_num_key_heads"),
+            linear_num_value_heads=required("linear_num_value_heads"),
             linear_key_head_dim=t.pop("linear_key_head_dim", 128),
             linear_value_head_dim=t.pop("linear_value_head_dim", 128),
             linear_conv_kernel_dim=t.pop("linear_conv_kernel_dim", 4),
@@ -305,14 +329,15 @@ class Qwen35Config:
         if factor is not None:
             fields["partial_rotary_factor"] = float(factor)
         if moe:
-            fields.update(num_experts=t.pop("num_experts"),
-                          num_experts_per_tok=t.pop("num_experts_per_tok"),
-                          moe_intermediate_size=t.pop("moe_intermediate_size"),
-                          shared_expert_intermediate_size=t.pop("shared_expert_intermediate_size"))
+            fields.update(num_experts=required("num_experts"),
+                          num_experts_per_tok=required("num_experts_per_tok"),
+                          moe_intermediate_size=required("moe_intermediate_size"),
+                          shared_expert_intermediate_size=required(
+                              "shared_expert_intermediate_size"))
             if t.pop("intermediate_size", None) is not None:
                 raise ConfigError(f"{name}: a MoE config must not set intermediate_size")
         else:
-            fields["intermediate_size"] = t.pop("intermediate_size")
+            fields["intermediate_size"] = required("intermediate_size")
             extra_moe = [k for k in ("num_experts", "num_experts_per_tok",
                                      "moe_intermediate_size",
                                      "shared_expert_intermediate_size") if t.get(k)]
@@ -347,8 +372,12 @@ class Qwen35Config:
         same shapes, say, for a model that must fit beside another on one device. A new
         layer count without ``layer_types`` keeps the every-fourth-layer pattern."""
         d = self.to_hf_text_dict()
-        if "num_hidden_layers" in overrides and "layer_types" not in overrides:
+        if "layer_types" not in overrides and {"num_hidden_layers",
+                                               "full_attention_interval"} & set(overrides):
             del d["layer_types"]
+        for key in ("rope_theta", "partial_rotary_factor"):  # a flat one replaces the nested
+            if key in overrides and "rope_parameters" not in overrides:
+                del d["rope_parameters"][key]
         d.update(eos_token_id=list(self.eos_token_ids), **overrides)
         cfg = Qwen35Config._from_text_dict(d, f"{self.name} with {dict(overrides)}")
         return dataclasses.replace(cfg, name=self.name, fp8_modules=self.fp8_modules,

@@ -14,6 +14,7 @@ update: host memory never holds more than one tensor.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -146,8 +147,14 @@ def shard_files(path: str) -> list[str]:
     index = os.path.join(path, "model.safetensors.index.json")
     single = os.path.join(path, "model.safetensors")
     if os.path.exists(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+        try:
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{index}: not a safetensors index with a weight_map "
+                                  f"({e!r})") from None
+        if not all(isinstance(x, str) for x in files):
+            raise CheckpointError(f"{index}: its weight_map names files by strings")
         missing = [s for s in files if not os.path.exists(os.path.join(path, s))]
         if missing:
             raise CheckpointError(f"{path}: shard(s) listed in model.safetensors.index.json are "
@@ -197,15 +204,13 @@ def checkpoint_config(path: str | os.PathLike) -> Qwen35Config:
     """The config of a checkpoint directory, with ``fp8_modules`` the layer parameters
     its tensors hold in FP8 (those with a ``weight_scale_inv``; the same in every layer
     once loaded: a layer that left one in bf16 is quantised on load)."""
-    from safetensors import safe_open
-
     path = os.fspath(path)
     cfg = Qwen35Config.from_json(path)
     if not cfg.fp8_modules:
         return cfg
     found = set()
     for shard in shard_files(path):
-        with safe_open(shard, framework="flax") as f:
+        with open_shard(shard) as f:
             for name in f.keys():
                 if name.endswith(".weight" + SCALE_SUFFIX) and not IGNORED.match(name):
                     tgt = checkpoint_target(cfg, name[:-len(SCALE_SUFFIX)])
@@ -214,6 +219,20 @@ def checkpoint_config(path: str | os.PathLike) -> Qwen35Config:
                                               "model does not hold in FP8")
                     found.add(_relative(tgt[0]))
     return cfg.replace(fp8_modules=tuple(p for p in quant.QUANTISABLE if p in found))
+
+
+@contextlib.contextmanager
+def open_shard(shard: str, framework: str = "flax"):
+    """``safetensors.safe_open``, with a shard it cannot read (truncated, or not
+    safetensors at all) named in a CheckpointError."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        f = safe_open(shard, framework=framework)
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{shard}: not a readable safetensors file ({e})") from None
+    with f:
+        yield f
 
 
 def refuse_other_formats(path: str, name: str, dtype: str) -> None:
@@ -233,9 +252,8 @@ def read_tensor(f, shard: str, name: str, dtype: str):
         return f.get_tensor(name)
     import ml_dtypes
     import torch
-    from safetensors import safe_open
 
-    with safe_open(shard, framework="pt") as pt:
+    with open_shard(shard, framework="pt") as pt:
         raw = pt.get_tensor(name).view(torch.uint8).numpy()
     return jnp.asarray(raw.view(ml_dtypes.float8_e4m3fn))
 
@@ -267,8 +285,6 @@ def from_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, *,
     unexpected tensor, or a quantised tensor in another format, and ConfigError on a
     config that is not Qwen3.5.
     """
-    from safetensors import safe_open
-
     path = os.fspath(path)
     cfg = config or checkpoint_config(path)
     graphdef, abstract = nnx.split(abstract_model(cfg, dtype))
@@ -284,7 +300,7 @@ def from_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, *,
     shards = shard_files(path)
     total = 0
     for shard in shards:
-        with safe_open(shard, framework="flax") as f:
+        with open_shard(shard) as f:
             total += len(f.keys())
 
     def put(ppath, value, index, cols, name):
@@ -313,7 +329,7 @@ def from_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, *,
     fp8_weights, scaled = set(), set()  # names of e4m3 weights; of weights given a scale
     bar = tqdm(total=total, desc="loading weights", unit="tensor", disable=not progress)
     for shard in shards:
-        with safe_open(shard, framework="flax") as f:
+        with open_shard(shard) as f:
             for name in f.keys():
                 bar.update(1)
                 if IGNORED.match(name):
@@ -334,7 +350,12 @@ def from_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, *,
                                           f"one of this config's fp8_modules {cfg.fp8_modules}")
                 (scaled.add(name[:-len(SCALE_SUFFIX)]) if is_scale
                  else fp8_weights.add(name) if dt == "F8_E4M3" else None)
-                value = fn(read_tensor(f, shard, name, dt))
+                raw = read_tensor(f, shard, name, dt)
+                try:
+                    value = fn(raw)
+                except (TypeError, ValueError, IndexError):  # a rank the layout cannot take
+                    raise CheckpointError(f"{path}: tensor {name!r} has shape {raw.shape}, "
+                                          f"which the model's layout cannot take") from None
                 if is_scale:
                     put(_scale_path(ppath), value.astype(jnp.float32), index, _scale_cols(cols),
                         name)

@@ -16,8 +16,9 @@ from flax import nnx
 
 from qwen35_jax import quant
 from qwen35_jax.config import Qwen35Config
-from qwen35_jax.loader import (SCALE_SUFFIX, CheckpointError, identity, layer_target, path_key,
-                               read_tensor, refuse_other_formats, shard_files, transpose)
+from qwen35_jax.loader import (SCALE_SUFFIX, CheckpointError, identity, layer_target, open_shard,
+                               path_key, read_tensor, refuse_other_formats, shard_files,
+                               transpose)
 from qwen35_jax.mtp import MTP
 
 # The MTP head (qwen35_jax.mtp.MTP): "mtp." + these names, and its one decoder layer as
@@ -37,8 +38,6 @@ def load_mtp(path: str | os.PathLike, cfg: Qwen35Config, dtype=jnp.bfloat16):
     tensors of the head (with their ``weight_scale_inv``) are dequantised to ``dtype``:
     the head is one layer, read once a draft. Raises CheckpointError on a tensor of the
     head that has no place in it, a shape mismatch, or a missing one."""
-    from safetensors import safe_open
-
     path = os.fspath(path)
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: MTP(cfg, rngs=nnx.Rngs(0),
                                                                dtype=dtype)))
@@ -47,7 +46,7 @@ def load_mtp(path: str | os.PathLike, cfg: Qwen35Config, dtype=jnp.bfloat16):
     written: dict[str, set] = {k: set() for k in flat}
     tensors, scales = {}, {}
     for shard in shard_files(path):
-        with safe_open(shard, framework="flax") as f:
+        with open_shard(shard) as f:
             for name in f.keys():
                 if not name.startswith("mtp."):
                     continue

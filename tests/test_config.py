@@ -82,6 +82,14 @@ def test_top_level_tie_word_embeddings_wins_when_text_config_is_silent():
     (lambda d: d["text_config"].update(intermediate_size=1024), "intermediate_size"),
     (lambda d: d["text_config"].update(norm_topk_prob=False), "renormalises"),
     (lambda d: d["text_config"].update(rope_theta=1e6), "rope_theta"),
+    (lambda d: d["text_config"].pop("vocab_size"), "missing config field 'vocab_size'"),
+    (lambda d: d["text_config"].pop("num_experts"), "missing config field 'num_experts'"),
+    (lambda d: d["text_config"].update(full_attention_interval=0), "integer > 1"),
+    (lambda d: d["text_config"].update(num_hidden_layers="40"), "positive integer"),
+    (lambda d: d["text_config"].update(moe_intermediate_size=-64), "positive integers"),
+    (lambda d: d["text_config"].update(shared_expert_intermediate_size=64.5),
+     "positive integers"),
+    (lambda d: d.update(text_config=None), "text_config must be an object"),
 ])
 def test_bad_configs_are_refused(mutate, match):
     d = _official()
@@ -108,5 +116,9 @@ def test_hf_overrides_keep_the_shapes_and_the_layer_pattern():
     assert model_config("tiny", {"num_hidden_layers": 4}).eos_token_ids == (1, 0)
     with pytest.raises(ConfigError, match="unknown config fields"):
         model_config("tiny", {"num_layers": 4})
+    # flat HF fields replace the preset's own (nested rope_parameters, layer pattern)
+    assert model_config("tiny", {"rope_theta": 5e6}).rope_theta == 5e6
+    assert model_config("tiny", {"partial_rotary_factor": 0.5}).partial_rotary_factor == 0.5
+    assert model_config("tiny", {"full_attention_interval": 2}).full_attention_interval == 2
     with pytest.raises(ValueError, match="presets"):
         model_config("tiny-math", {"num_hidden_layers": 4})

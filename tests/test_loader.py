@@ -92,6 +92,30 @@ def test_an_expert_past_num_experts_is_unexpected(good, tmp_path):
         from_pretrained(path, progress=False)
 
 
+def test_a_tensor_of_a_rank_the_layout_cannot_take_is_named(good, tmp_path):
+    path = copy(good, tmp_path)
+    name = "model.language_model.layers.0.linear_attn.conv1d.weight"
+    rewrite(path, name, lambda t: t.update({name: torch.cat([t[name], t[name]], 1)}))
+    with pytest.raises(CheckpointError, match=r"conv1d.weight' has shape \(\d+, 2, 4\)"):
+        from_pretrained(path, progress=False)
+
+
+def test_an_unreadable_shard_or_index_is_named(good, tmp_path):
+    """A truncated shard, and an index without its weight_map: each a CheckpointError
+    naming the file, not safetensors' or json's own error."""
+    path = copy(good, tmp_path)
+    shard = os.path.join(path, "model-00002-of-00003.safetensors")
+    with open(shard, "r+b") as f:
+        f.truncate(os.path.getsize(shard) // 2)
+    with pytest.raises(CheckpointError, match="model-00002-of-00003.safetensors: not a readable"):
+        from_pretrained(path, progress=False)
+    index = os.path.join(path, "model.safetensors.index.json")
+    with open(index, "w") as f:
+        json.dump({"metadata": {}}, f)
+    with pytest.raises(CheckpointError, match="index.json: not a safetensors index"):
+        from_pretrained(path, progress=False)
+
+
 def test_wrong_model_type(good, tmp_path):
     path = copy(good, tmp_path)
     cfg_path = os.path.join(path, "config.json")
