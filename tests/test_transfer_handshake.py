@@ -182,6 +182,30 @@ def test_a_connection_without_the_secret_is_cut_soon_an_authorised_one_kept():
         s.close()
 
 
+def test_a_stranger_trickling_its_request_is_cut_at_its_deadline():
+    """Bytes every 0.1 s never let a read time out: the connection is cut because it has
+    not presented the secret by ``auth_timeout`` after its accept, so strangers cannot
+    hold the connection slots pullers need."""
+    s = HandshakeServer(hello("server"), lambda h: None, secret=SECRET, auth_timeout=0.5,
+                        max_connections=2)
+    try:
+        trickler = socket.create_connection(s.address)
+        trickler.settimeout(0.1)
+        cut, end = False, time.monotonic() + 5.0
+        while not cut and time.monotonic() < end:
+            try:
+                trickler.send(b"G")
+                cut = trickler.recv(1) == b""
+            except TimeoutError:
+                pass
+            except OSError:  # reset, or a send after the cut
+                cut = True
+        trickler.close()
+        assert cut
+    finally:
+        s.close()
+
+
 def test_connections_beyond_the_cap_are_closed_unanswered():
     """Each connection holds a server thread: while ``max_connections`` are open, a new
     one is closed unanswered; once one ends, peers are served again."""

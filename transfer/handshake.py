@@ -15,10 +15,12 @@ must be able to answer the puller's notifications.
 binds a lease to the claiming agent and answers what the lease pinned
 (``transfer.lease``): the puller reads exactly that. Bodies over ``MAX_BODY`` bytes are refused (413) unread.
 
-Each connection holds a server thread. Until its first request presents the secret it
-may idle only briefly (``auth_timeout``), and at most ``max_connections`` are open at once
-(one more is closed unanswered), so strangers cannot pile threads up; an authorised one
-stays open while idle (``idle_timeout``) for its puller's next claim.
+Each connection holds a server thread. One that has not presented the secret within
+``auth_timeout`` of its accept is cut, however it trickles its bytes, and at most
+``max_connections`` are open at once (one more is closed unanswered), so strangers can
+neither pile threads up nor hold the slots; an authorised one stays open while idle
+(``idle_timeout``) for its puller's next claim, and a puller keeps at most
+``IDLE_PER_PEER`` idle ones to each peer.
 
 The compatibility record is whatever the two sides must agree on (model, dtypes, block
 size, per-region layouts, ...): any JSON-able dict, compared exactly, key by key.
@@ -35,6 +37,7 @@ import json
 import socket
 import http.client
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 
@@ -44,6 +47,9 @@ from transfer.memory import Region
 PROTOCOL_VERSION = 2
 Address = tuple[str, int]
 MAX_BODY = 1 << 20  # bytes: a hello (metadata and region table) or a claim is a few KiB
+# idle kept-alive connections a puller keeps to one peer: enough for its claims in steady
+# state; a burst's extra ones close after use rather than sit in the peer's slots
+IDLE_PER_PEER = 8
 # levels of a compatibility record (a few in practice): records are compared and shown by
 # recursion, and one of many hundred levels would exhaust the recursion limit
 MAX_NESTING = 32
@@ -143,13 +149,14 @@ class Hello:
 class HandshakeServer:
     """Serves ``hello`` and claims to holders of ``secret``: accepts compatible peers by
     calling ``on_peer`` and answers claims with ``on_claim(lease, agent, key)`` (a JSON-able
-    dict, or ClaimError), both from its own threads. A connection may idle ``auth_timeout``
-    seconds until a request of it presents the secret, then ``idle_timeout``; at most
-    ``max_connections`` are open at once (a pulling peer keeps one per concurrent claim)."""
+    dict, or ClaimError), both from its own threads. A connection has ``auth_timeout``
+    seconds from its accept to present the secret, then may idle ``idle_timeout``; at most
+    ``max_connections`` are open at once (a pulling peer holds one per concurrent claim,
+    and keeps at most ``IDLE_PER_PEER`` of them idle)."""
 
     def __init__(self, hello: Hello, on_peer: Callable[[Hello], None], *, secret: str,
                  on_claim: Callable[[str, str, str | None], dict] | None = None,
-                 host: str = "127.0.0.1", port: int = 0, max_connections: int = 256,
+                 host: str = "127.0.0.1", port: int = 0, max_connections: int = 1024,
                  auth_timeout: float = 5.0, idle_timeout: float = 300.0):
         if not secret:
             raise ValueError("the handshake needs the workers' shared secret")
@@ -159,7 +166,8 @@ class HandshakeServer:
         self._accepted: set[str] = set()  # agents whose hello this server accepted
         self._lock = threading.Lock()
         self._idle_timeout = idle_timeout
-        self._http = _HTTPServer((host, port), _handler(self, auth_timeout), max_connections)
+        self._http = _HTTPServer((host, port), _handler(self, auth_timeout), max_connections,
+                                 auth_timeout)
         self._thread = threading.Thread(target=self._http.serve_forever, args=(0.05,), name="handshake",
                                         daemon=True)
         self._thread.start()
@@ -220,13 +228,17 @@ class HandshakeServer:
 
 class _HTTPServer(ThreadingHTTPServer):
     """A thread per connection, for at most ``limit`` connections at once: one more is
-    closed unanswered."""
+    closed unanswered. A connection not authorised within ``auth_timeout`` of its accept
+    is cut by the serving loop (``service_actions``): a read's timeout alone would let a
+    request trickled a byte at a time hold its slot for ever."""
 
     daemon_threads = True
 
-    def __init__(self, address: Address, handler, limit: int):
-        self.limit = limit
-        self.connections: set[socket.socket] = set()  # open ones, kept-alive ones included
+    def __init__(self, address: Address, handler, limit: int, auth_timeout: float):
+        self.limit, self.auth_timeout = limit, auth_timeout
+        # open connections, kept-alive ones included: the time to be authorised by, or
+        # None once a request of it presented the secret
+        self.connections: dict[socket.socket, float | None] = {}
         self.lock = threading.Lock()
         super().__init__(address, handler)
 
@@ -234,12 +246,27 @@ class _HTTPServer(ThreadingHTTPServer):
         with self.lock:
             if len(self.connections) >= self.limit:
                 return False
-            self.connections.add(request)
+            self.connections[request] = time.monotonic() + self.auth_timeout
             return True
+
+    def authorised(self, request) -> None:
+        with self.lock:
+            if request in self.connections:
+                self.connections[request] = None
+
+    def service_actions(self) -> None:  # serve_forever calls it every poll interval
+        now = time.monotonic()
+        with self.lock:
+            late = [c for c, by in self.connections.items() if by is not None and by < now]
+        for conn in late:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)  # its thread's read ends; it closes the rest
+            except OSError:
+                pass
 
     def shutdown_request(self, request) -> None:  # every accepted connection ends here
         with self.lock:
-            self.connections.discard(request)
+            self.connections.pop(request, None)
         super().shutdown_request(request)
 
 
@@ -250,8 +277,8 @@ def _bearer(secret: str) -> str:
 def _handler(server: HandshakeServer, auth_timeout: float):
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # keep-alive: a claim reuses its puller's connection
-        # seconds a connection may wait for a request (and its bytes) while none of its
-        # requests has presented the secret; ``_authorised`` lengthens it
+        # seconds a read may wait while none of the connection's requests has presented
+        # the secret (the server cuts it at its deadline anyway); ``_authorised`` lengthens it
         timeout = auth_timeout
         # headers and body go out in two writes: with Nagle's algorithm the second waits
         # for the peer's delayed ACK (40 ms a claim on a kept connection)
@@ -289,6 +316,7 @@ def _handler(server: HandshakeServer, auth_timeout: float):
 
         def _authorised(self) -> bool:
             if server.authorised(self.headers.get("Authorization")):
+                server._http.authorised(self.connection)
                 self.connection.settimeout(server._idle_timeout)
                 return True
             self.close_connection = True  # the body, if any, is never read
@@ -361,11 +389,13 @@ class _Connections:
                 if kept:  # the server closed it while idle: again on a new one
                     continue
                 raise
-            if resp.will_close:
+            with self._lock:
+                idle = self._idle.setdefault(address, [])
+                keep = not resp.will_close and len(idle) < IDLE_PER_PEER
+                if keep:
+                    idle.append(conn)
+            if not keep:
                 conn.close()
-            else:
-                with self._lock:
-                    self._idle.setdefault(address, []).append(conn)
             return resp.status, data
 
 

@@ -74,6 +74,7 @@ class DecodeWorker(WorkerBase):
         if tuple(ticket.address) not in self._sources:
             raise TransferParamsError(f"{ticket.address[0]}:{ticket.address[1]} is not a "
                                       f"prefill worker the router registered")
+        params = req.params.params()
         # a full worker refuses before it claims, and holds its place until the add: a
         # claim it then gave up would drop the lease, and the router's retry on another
         # worker would find it freed
@@ -89,7 +90,6 @@ class DecodeWorker(WorkerBase):
             self.engine.release_room()
             self.transfer.release(claim)
             raise
-        params = req.params.params()
         try:
             stream = await self.engine.add(request_id, prompt, params, reserved=True,
                                            first_token=first_token,
