@@ -92,6 +92,7 @@ PREFIXES = ("model.language_model.", "model.")
 IGNORED = re.compile(r"^(mtp\.|model\.visual\.|visual\.|model\.mtp\.)")  # mtp.*: mtp_checkpoint.py
 LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 QUANTISED_DTYPES = {"F8_E5M2", "I8", "U8", "I4", "U4", "F4"}  # F8_E4M3: FP8 (quant.py)
+FLOAT_DTYPES = {"F16", "BF16", "F32", "F64", "F8_E4M3"}  # what a parameter is stored as
 SCALE_SUFFIX = "_scale_inv"  # "<name>.weight_scale_inv": the block scales of "<name>.weight"
 
 
@@ -237,11 +238,16 @@ def open_shard(shard: str, framework: str = "flax"):
 
 def refuse_other_formats(path: str, name: str, dtype: str) -> None:
     """Raise CheckpointError for a tensor quantised in a format the loaders do not read
-    (their one FP8 format: e4m3 with 128 x 128 ``weight_scale_inv`` block scales)."""
+    (their one FP8 format: e4m3 with 128 x 128 ``weight_scale_inv`` block scales), or
+    stored as integers or booleans, which no parameter is (a cast would load them as
+    numbers of another meaning)."""
     if dtype in QUANTISED_DTYPES or name.endswith(".weight_scale"):
         raise CheckpointError(f"{path}: tensor {name!r} is quantised ({dtype}) in a format "
                               "this loader does not read: only FP8 e4m3 with 128 x 128 block "
                               "scales (weight_scale_inv)")
+    if dtype not in FLOAT_DTYPES:
+        raise CheckpointError(f"{path}: tensor {name!r} is {dtype}, not a floating-point "
+                              f"tensor ({', '.join(sorted(FLOAT_DTYPES))})")
 
 
 def read_tensor(f, shard: str, name: str, dtype: str):

@@ -143,6 +143,15 @@ def test_other_quantised_formats_are_refused(good, tmp_path):
         from_pretrained(path, progress=False)
 
 
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool])
+def test_an_integer_or_boolean_tensor_is_refused_not_cast(good, tmp_path, dtype):
+    path = copy(good, tmp_path)
+    name = "model.language_model.layers.0.input_layernorm.weight"
+    rewrite(path, name, lambda t: t.update({name: t[name].to(dtype)}))
+    with pytest.raises(CheckpointError, match="input_layernorm.weight.*not a floating-point"):
+        from_pretrained(path, progress=False)
+
+
 def test_quantization_config_of_another_method_is_refused(good, tmp_path):
     path = copy(good, tmp_path)
     cfg_path = os.path.join(path, "config.json")
