@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Any, Mapping
 
@@ -148,6 +149,21 @@ class Qwen35Config:
                          f"{'MoE' if self.is_moe else 'dense'} model")
         def positive(v) -> bool:
             return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+        def finite_positive(v) -> bool:
+            return (isinstance(v, (int, float)) and not isinstance(v, bool)
+                    and math.isfinite(v) and v > 0)
+
+        need(finite_positive(self.rms_norm_eps) and self.rms_norm_eps < 1,
+             f"rms_norm_eps must be a number in (0, 1), got {self.rms_norm_eps!r}")
+        need(finite_positive(self.rope_theta) and self.rope_theta > 1,
+             f"rope_theta must be a finite number > 1, got {self.rope_theta!r}")
+        need(positive(self.max_position_embeddings),
+             f"max_position_embeddings must be a positive integer, got "
+             f"{self.max_position_embeddings!r}")
+        need(all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                 for i in self.eos_token_ids),
+             f"eos_token_id must be token ids (integers >= 0), got {list(self.eos_token_ids)}")
 
         need(isinstance(self.num_experts, int) and self.num_experts >= 0,
              f"num_experts must be an integer >= 0, got {self.num_experts!r}")
@@ -319,15 +335,15 @@ class Qwen35Config:
             linear_key_head_dim=t.pop("linear_key_head_dim", 128),
             linear_value_head_dim=t.pop("linear_value_head_dim", 128),
             linear_conv_kernel_dim=t.pop("linear_conv_kernel_dim", 4),
-            rms_norm_eps=float(t.pop("rms_norm_eps", 1e-6)),
+            rms_norm_eps=_number(t.pop("rms_norm_eps", 1e-6), "rms_norm_eps", name),
             max_position_embeddings=t.pop("max_position_embeddings", 262144),
             tie_word_embeddings=bool(t.get("tie_word_embeddings", False)),
             layer_types=tuple(layer_types), eos_token_ids=eos_ids, name=name,
         )
         if theta is not None:
-            fields["rope_theta"] = float(theta)
+            fields["rope_theta"] = _number(theta, "rope_theta", name)
         if factor is not None:
-            fields["partial_rotary_factor"] = float(factor)
+            fields["partial_rotary_factor"] = _number(factor, "partial_rotary_factor", name)
         if moe:
             fields.update(num_experts=required("num_experts"),
                           num_experts_per_tok=required("num_experts_per_tok"),
@@ -408,6 +424,14 @@ class Qwen35Config:
         else:
             d["intermediate_size"] = self.intermediate_size
         return d
+
+
+def _number(v, key: str, name: str) -> float:
+    """A config's real number as a float; anything else (a string, a boolean, null) is a
+    ConfigError naming the field."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ConfigError(f"{name}: {key} must be a number, got {v!r}")
+    return float(v)
 
 
 def _layers(n: int, interval: int = 4) -> tuple[str, ...]:

@@ -49,6 +49,16 @@ def engine_defaults(kw: dict) -> dict:
     return kw
 
 
+def adopt_model_limits(config: EngineConfig, model_cfg, given) -> None:
+    """Set the engine config's fields that the model decides, unless the caller named
+    them in ``given``: the EOS ids, and a max_model_len within the positions the model
+    was trained on (its ``max_position_embeddings``, as vLLM derives it)."""
+    if "eos_token_ids" not in given:
+        config.eos_token_ids = tuple(model_cfg.eos_token_ids)
+    if "max_model_len" not in given:
+        config.max_model_len = min(config.max_model_len, model_cfg.max_position_embeddings)
+
+
 def default_dtype():
     """Weights and cache dtype unless given: bfloat16 on accelerators; float32 on CPU, where
     bfloat16 is slow (and where the tests compare against float references)."""
@@ -137,14 +147,12 @@ class LLM:
             dtype = default_dtype()
         if speculative_config is not None:
             engine_kwargs["num_speculative_tokens"] = speculative_tokens(speculative_config)
-        engine_kwargs = engine_defaults({"seed": seed, **engine_kwargs})
-        config = EngineConfig(**engine_kwargs)
+        config = EngineConfig(**engine_defaults({"seed": seed, **engine_kwargs}))
         mesh = config.mesh()
         self.model = load_model(model, dtype, seed, mesh, hf_overrides, quantization)
         self.tokenizer = _load_tokenizer(tokenizer, model)
         cfg = self.model.config
-        if "eos_token_ids" not in engine_kwargs:
-            config.eos_token_ids = tuple(cfg.eos_token_ids)
+        adopt_model_limits(config, cfg, engine_kwargs)
         self.cache_report = plan_capacity(cfg, config, dtype, mesh=mesh)
         cache = allocate_cache(cfg, config, dtype, mesh)
         mtp = load_mtp_head(model, cfg, dtype, seed) if config.num_speculative_tokens else None

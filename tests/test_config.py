@@ -90,6 +90,15 @@ def test_top_level_tie_word_embeddings_wins_when_text_config_is_silent():
     (lambda d: d["text_config"].update(shared_expert_intermediate_size=64.5),
      "positive integers"),
     (lambda d: d.update(text_config=None), "text_config must be an object"),
+    (lambda d: d["text_config"].update(rms_norm_eps=0.0), "rms_norm_eps must be a number in"),
+    (lambda d: d["text_config"].update(rms_norm_eps="1e-6"), "rms_norm_eps must be a number"),
+    (lambda d: d["text_config"]["rope_parameters"].update(rope_theta=float("inf")),
+     "rope_theta must be a finite number > 1"),
+    (lambda d: d["text_config"]["rope_parameters"].update(partial_rotary_factor=True),
+     "partial_rotary_factor must be a number"),
+    (lambda d: d["text_config"].update(max_position_embeddings=0), "max_position_embeddings"),
+    (lambda d: d["text_config"].update(eos_token_id=[-1]), "eos_token_id must be token ids"),
+    (lambda d: d["text_config"].update(eos_token_id="</s>"), "eos_token_id must be token ids"),
 ])
 def test_bad_configs_are_refused(mutate, match):
     d = _official()

@@ -1,6 +1,8 @@
 """Engine tests against the fake model (test_engine_fake_model.py): every scheduling
 path must give exactly the tokens of the sequence computed alone."""
 
+from types import SimpleNamespace
+
 import jax
 import numpy as np
 import pytest
@@ -401,6 +403,18 @@ def test_max_logprobs_over_the_vocabulary_is_refused_at_construction():
                        buckets=Buckets(prefill_tokens=(32,), prefill_seqs=(8,), decode_seqs=(8,)))
     with pytest.raises(ValueError, match=f"max_logprobs {VOCAB + 1} is over"):  # not JAX's top_k
         Engine(FakeModel(VOCAB), FakeCache.allocate(NUM_BLOCKS, BLOCK, cfg.num_state_rows), cfg,
+               batch_type=FakeBatch)
+
+
+def test_max_model_len_past_the_models_positions_is_refused_at_construction():
+    cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=96,
+                       block_size=BLOCK, num_blocks=NUM_BLOCKS, num_slots=SLOTS,
+                       buckets=Buckets(prefill_tokens=(32,), prefill_seqs=(8,), decode_seqs=(8,)))
+    model = FakeModel(VOCAB)
+    model.config = SimpleNamespace(vocab_size=VOCAB, max_position_embeddings=64)
+    with pytest.raises(ValueError, match="max_model_len 96 is over the model's "
+                                         "max_position_embeddings 64"):
+        Engine(model, FakeCache.allocate(NUM_BLOCKS, BLOCK, cfg.num_state_rows), cfg,
                batch_type=FakeBatch)
 
 

@@ -329,6 +329,22 @@ def test_cpu_defaults_fill_only_what_is_unset():
     assert engine_defaults({"buckets": given, "num_blocks": 5})["buckets"] is given
 
 
+def test_the_model_bounds_max_model_len_unless_it_is_given():
+    """As vLLM: an unset max_model_len is cut to the model's trained positions; one
+    given past them reaches the engine, which refuses it (test_engine_fake)."""
+    from qwen35_jax import get_preset
+    from serving.engine.config import EngineConfig
+    from serving.llm import adopt_model_limits
+
+    model_cfg = get_preset("tiny").replace(max_position_embeddings=512, eos_token_ids=(7,))
+    config = EngineConfig(max_model_len=1024)
+    adopt_model_limits(config, model_cfg, {})
+    assert config.max_model_len == 512 and config.eos_token_ids == (7,)
+    config = EngineConfig(max_model_len=1024, eos_token_ids=(3,))
+    adopt_model_limits(config, model_cfg, {"max_model_len": 1024, "eos_token_ids": (3,)})
+    assert config.max_model_len == 1024 and config.eos_token_ids == (3,)
+
+
 def test_compiled_programs_go_to_the_persistent_cache(tmp_path):
     """In a fresh process (JAX reads the cache directory once per process)."""
     import os

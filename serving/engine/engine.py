@@ -91,6 +91,11 @@ class Engine(RemoteMemory):
         if c.max_blocks_per_seq > c.num_blocks:
             raise ValueError(f"max_model_len {c.max_model_len} needs {c.max_blocks_per_seq} "
                              f"blocks, the cache has {c.num_blocks}")
+        trained = getattr(model.config, "max_position_embeddings", None)
+        if trained is not None and c.max_model_len > trained:
+            raise ValueError(f"max_model_len {c.max_model_len} is over the model's "
+                             f"max_position_embeddings {trained}: positions past it were "
+                             "never trained")
         self.tokenizer = tokenizer
         self.vocab_size = model.config.vocab_size  # token ids outside it are refused
         if c.max_logprobs > self.vocab_size:

@@ -51,7 +51,7 @@ def load_worker(a, secret: str, agent_type=None):
     from serving.api.text import Tokenizer, find_tokenizer
     from serving.engine import EngineConfig
     from serving.engine.compilation_cache import use_compilation_cache
-    from serving.llm import default_dtype, load_model, load_mtp_head
+    from serving.llm import adopt_model_limits, default_dtype, load_model, load_mtp_head
     from serving.worker.common import param_bytes
     from serving.worker.decode import DecodeWorker
     from serving.worker.prefill import PrefillWorker
@@ -72,7 +72,7 @@ def load_worker(a, secret: str, agent_type=None):
     dtype = jnp.dtype(a.dtype) if a.dtype else default_dtype()
     config = EngineConfig(seed=a.seed, **engine_kwargs(a))
     model = load_model(name, dtype, a.seed, config.mesh(), a.hf_overrides, a.quantization)
-    config.eos_token_ids = tuple(model.config.eos_token_ids)
+    adopt_model_limits(config, model.config, {"max_model_len"} if a.max_model_len is not None else ())
     mtp = (load_mtp_head(name, model.config, dtype, a.seed) if config.num_speculative_tokens
            else None)
     t0 = time.perf_counter()
