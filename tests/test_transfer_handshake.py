@@ -12,6 +12,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
+from transfer import handshake
 from transfer.handshake import (MAX_BODY, MAX_NESTING, PROTOCOL_VERSION, CompatibilityError, HandshakeError,
                                 HandshakeServer, Hello, check_compatible, exchange, ping)
 from transfer.memory import Region
@@ -271,6 +272,32 @@ def test_json_nested_too_deep_is_bad_json_on_either_side(server):
     finally:
         deep.server_close()
     assert accepted == []
+
+
+class _HugeAnswer(BaseHTTPRequestHandler):
+    """Answers any POST with a well-formed JSON object of 2 MiB."""
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        body = json.dumps({"items": [], "pad": "a" * (2 << 20)}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_an_answer_over_the_bound_is_not_read_whole(monkeypatch):
+    monkeypatch.setattr(handshake, "MAX_ANSWER", 1 << 20)
+    huge = HTTPServer(("127.0.0.1", 0), _HugeAnswer)
+    threading.Thread(target=huge.handle_request, daemon=True).start()
+    try:
+        with pytest.raises(HandshakeError, match=f"an answer over {1 << 20} bytes"):
+            handshake.claim(huge.server_address, SECRET, "lease", "agent", None)
+    finally:
+        huge.server_close()
 
 
 def test_a_compatibility_record_nested_too_deep_is_a_malformed_hello(server):

@@ -4,16 +4,23 @@ to ping; a forgotten peer is gone from both (tests/test_transfer_manager.py: ove
 
 from __future__ import annotations
 
-from transfer.handshake import Hello
+import pytest
+
+from transfer.handshake import HandshakeError, Hello
 from transfer.peers import Peers
 
 
 class _Agent:
     def __init__(self):
-        self.loaded = []
+        self.loaded, self.removed = [], []
 
-    def add_peer(self, metadata: bytes) -> None:
+    def add_peer(self, metadata: bytes) -> str:
+        """NIXL's answer: the name inside the metadata."""
         self.loaded.append(metadata)
+        return metadata.decode().removeprefix("metadata of ")
+
+    def remove_peer(self, name: str) -> None:
+        self.removed.append(name)
 
 
 def _hello(name: str) -> Hello:
@@ -41,3 +48,17 @@ def test_a_forgotten_peer_is_gone_and_a_later_handshake_loads_it_again():
     assert "source" not in peers and peers.address("source") is None
     peers.add(_hello("source"))  # it shook hands again after the owner gave it up
     assert agent.loaded == [b"metadata of source"] * 2
+
+
+def test_a_hello_whose_metadata_names_another_agent_is_refused_and_unloaded():
+    agent = _Agent()
+    peers = Peers(agent)
+    peers.add(_hello("source"))
+    liar = Hello("liar", b"metadata of source", {}, {"model": "m"})  # a known agent's
+    with pytest.raises(HandshakeError, match="'liar''s NIXL metadata is agent 'source''s"):
+        peers.add(liar)
+    assert agent.removed == [] and "liar" not in peers and "source" in peers
+    squatter = Hello("liar", b"metadata of decode-1", {}, {"model": "m"})  # an unknown one's
+    with pytest.raises(HandshakeError, match="agent 'decode-1''s"):
+        peers.add(squatter)
+    assert agent.removed == ["decode-1"] and "liar" not in peers

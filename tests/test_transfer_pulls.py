@@ -22,7 +22,7 @@ class _Agent:
         self.states, self.released, self.removed, self.posted = {}, [], [], []
 
     def add_peer(self, metadata):
-        pass
+        return "src"  # the one peer's metadata names it
 
     def read(self, peer, local, remote, mem_type, message):
         handle = f"h{len(self.posted)}"
@@ -44,7 +44,7 @@ class _Agent:
 def _pulls():
     agent, sent = _Agent(), []
     peers = Peers(agent)
-    peers.add(Hello("src", b"m", {"kv": Region("kv", 0, 1 << 20, 0, "DRAM")}, {}),
+    peers.add(Hello("src", b"metadata of src", {"kv": Region("kv", 0, 1 << 20, 0, "DRAM")}, {}),
               ("127.0.0.1", 9))
     pulls = Pulls(agent, "e1", peers, lambda peer, m: sent.append((peer, m)))
     return pulls, agent, sent, peers

@@ -109,7 +109,7 @@ class Agent:
         lost when many READs started on a connection still being set up (CPU/UCX)."""
         name = self._nixl.add_remote_agent(metadata)
         self._nixl.make_connection(name)
-        return name
+        return name.decode() if isinstance(name, bytes) else name
 
     def remove_peer(self, name: str) -> None:
         self._nixl.remove_remote_agent(name)

@@ -47,6 +47,9 @@ from transfer.memory import Region
 PROTOCOL_VERSION = 2
 Address = tuple[str, int]
 MAX_BODY = 1 << 20  # bytes: a hello (metadata and region table) or a claim is a few KiB
+# bytes: a claim's answer lists a run of blocks an item, a few MiB at the longest prompt
+# whose blocks all lie apart
+MAX_ANSWER = 1 << 26
 # idle kept-alive connections a puller keeps to one peer: enough for its claims in steady
 # state; a burst's extra ones close after use rather than sit in the peer's slots
 IDLE_PER_PEER = 8
@@ -188,12 +191,13 @@ class HandshakeServer:
             return 409, {"error": str(e), "field": e.field, "local": e.local, "remote": e.remote}
         except HandshakeError as e:
             return 400, {"error": str(e)}
+        with self._lock:  # before on_peer, whose owner may ``forget`` it at once
+            self._accepted.add(peer.agent)
         try:
             self._on_peer(peer)
         except Exception as e:  # report to the peer rather than kill the server thread
+            self.forget(peer.agent)
             return 500, {"error": f"could not add peer {peer.agent!r}: {e}"}
-        with self._lock:
-            self._accepted.add(peer.agent)
         return 200, {"agent": self.hello.agent}
 
     def _claim(self, body) -> tuple[int, dict]:
@@ -210,6 +214,12 @@ class HandshakeServer:
             return 200, self._on_claim(body["lease"], body["agent"], body["key"])
         except ClaimError as e:
             return 409, {"error": e.detail, "kind": e.kind}
+
+    def forget(self, agent: str) -> None:
+        """Refuse ``agent``'s claims until it shakes hands again (its hello was refused
+        after this server accepted it)."""
+        with self._lock:
+            self._accepted.discard(agent)
 
     def close(self) -> None:
         """Stop serving; kept-alive connections are cut too, so that no peer's next request
@@ -383,12 +393,15 @@ class _Connections:
             try:
                 conn.request(method, path, body, headers)
                 resp = conn.getresponse()
-                data = resp.read()
+                data = resp.read(MAX_ANSWER + 1)
             except (OSError, http.client.HTTPException):
                 conn.close()
                 if kept:  # the server closed it while idle: again on a new one
                     continue
                 raise
+            if len(data) > MAX_ANSWER:  # unread bytes left: the connection goes too
+                conn.close()
+                raise http.client.HTTPException(f"an answer over {MAX_ANSWER} bytes")
             with self._lock:
                 idle = self._idle.setdefault(address, [])
                 keep = not resp.will_close and len(idle) < IDLE_PER_PEER

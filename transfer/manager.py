@@ -356,7 +356,12 @@ class TransferManager:
 
     def _progress(self) -> None:
         while not self._incoming.empty():  # pullers that connected to us: needed for acks
-            self._peers.add(self._incoming.get())
+            hello = self._incoming.get()
+            try:
+                self._peers.add(hello)
+            except HandshakeError as e:
+                self._server.forget(hello.agent)  # its claims are refused from now on
+                log.warning("refused a puller's hello: %s", e)
         now = time.monotonic()
         for sender, messages in self.agent.notifications().items():
             for m in messages:

@@ -10,7 +10,7 @@ Not thread-safe: the manager calls it under its lock.
 
 from __future__ import annotations
 
-from transfer.handshake import Address, Hello
+from transfer.handshake import Address, HandshakeError, Hello
 
 
 class Peers:
@@ -23,9 +23,19 @@ class Peers:
         return name in self._hellos
 
     def add(self, hello: Hello, address: Address | None = None) -> None:
-        """A peer from a handshake (``address``: where it listens, if this side dialled)."""
+        """A peer from a handshake (``address``: where it listens, if this side dialled).
+        HandshakeError if its NIXL metadata names another agent than its hello: READs go
+        to the metadata's name, so a hello that lied about it would have tickets of one
+        name read another agent's memory. A name NIXL had not loaded before is unloaded
+        again, so the lie cannot keep that agent's own hello out later (NIXL refuses new
+        metadata for a name it holds)."""
         if hello.agent not in self._hellos:
-            self._agent.add_peer(hello.metadata)
+            name = self._agent.add_peer(hello.metadata)
+            if name != hello.agent:
+                if name not in self._hellos:
+                    self._agent.remove_peer(name)
+                raise HandshakeError(f"peer {hello.agent[:100]!r}'s NIXL metadata is agent "
+                                     f"{name[:100]!r}'s")
             self._hellos[hello.agent] = hello
         if address is not None:
             self._addresses[hello.agent] = tuple(address)
