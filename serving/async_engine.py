@@ -23,6 +23,11 @@ commit something before its `add` (a decode worker claims a lease only one
 worker may hold) takes its place first (`reserve_room`), so that the `add`
 after the commit is not refused for room.
 
+A hung engine (a device that never finishes a step, a call that never returns) is
+dead too: an iteration of the engine thread that runs past `iteration_timeout` seconds
+ends every request with `EngineStalled` and fails the health check, as vLLM's engine
+iteration timeout does, so no caller waits on it for ever.
+
 This class is one implementation of `serving.api.backend.Backend`; a router
 over disaggregated prefill/decode workers can implement the same interface.
 """
@@ -31,12 +36,13 @@ import asyncio
 import dataclasses
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 
 from serving.engine import Engine, RequestOutput, SamplingParams
 from serving.engine.connector import EngineConnector
-from serving.errors import EngineDead, EngineOverloaded
+from serving.errors import EngineDead, EngineOverloaded, EngineStalled
 
 log = logging.getLogger(__name__)
 
@@ -76,12 +82,18 @@ class RequestStream:
 
 class AsyncEngine:
     def __init__(self, engine: Engine, *, max_queued_requests: int = 1024,
-                 connector: EngineConnector | None = None):
+                 connector: EngineConnector | None = None, iteration_timeout: float = 120.0):
         """`connector` (serving/engine/connector.py): how requests enter the engine, what
         runs between steps (a disaggregated worker's transfers; an idle engine ticks
-        whenever `wake()` is called) and what ends when the loop stops."""
+        whenever `wake()` is called) and what ends when the loop stops.
+        `iteration_timeout`: seconds an iteration (commands, tick, step) may run before
+        the engine counts as hung; it covers a compile while serving."""
+        if not iteration_timeout > 0:
+            raise ValueError(f"iteration_timeout must be > 0 seconds, got {iteration_timeout!r}")
         self.engine = engine
         self.max_queued_requests = max_queued_requests
+        self.iteration_timeout = iteration_timeout
+        self._busy_since: float | None = None  # the running iteration's start (engine thread)
         self.max_model_len = engine.config.max_model_len
         self.max_logprobs = engine.config.max_logprobs
         self.connector = connector or EngineConnector()
@@ -99,6 +111,7 @@ class AsyncEngine:
         self._stats = self._snapshot()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
+        threading.Thread(target=self._watch, name="engine-watchdog", daemon=True).start()
 
     # ---- the asyncio side ------------------------------------------------
 
@@ -221,6 +234,7 @@ class AsyncEngine:
         drained = True
         try:
             while not self._stopping:
+                self._busy_since = time.monotonic()
                 self._wake.clear()  # before the tick: a wake() during it is not lost
                 self._apply_commands()
                 self.connector.tick(self.engine)
@@ -234,15 +248,34 @@ class AsyncEngine:
                     self._deliver(self.engine.step())
                     drained = True
                 else:
+                    self._busy_since = None
                     self._wake.wait()
         except BaseException as e:  # noqa: BLE001 -- every failure must reach the callers
             log.exception("engine loop failed")
-            self.error = e
+            self.error = self.error or e  # a stall, declared first, stays the cause
         else:
-            self.error = EngineDead("engine shut down")
+            self.error = self.error or EngineDead("engine shut down")
+        self._busy_since = None
         stopped = EngineDead(f"engine stopped: {self.error!r}")
         self._fail_all(stopped)
         self.connector.on_stop(stopped)
+
+    def _watch(self) -> None:
+        """The watchdog's thread: declares the engine hung once an iteration has run
+        past `iteration_timeout`, ending its requests from here, since the engine thread
+        cannot. An engine thread that comes back later stops at once (`_stopping`)."""
+        period = min(1.0, self.iteration_timeout / 4)
+        while self._thread.is_alive() and not self._stopping:
+            time.sleep(period)
+            since = self._busy_since
+            if since is not None and time.monotonic() - since > self.iteration_timeout:
+                self.error = EngineStalled(
+                    f"an engine iteration has run {time.monotonic() - since:.1f} s, over "
+                    f"the {self.iteration_timeout:g} s bound (--engine-iteration-timeout)")
+                self._stopping = True
+                log.error("engine given up: %s", self.error)
+                self._fail_all(self.error)
+                return
 
     def _apply_commands(self) -> None:
         while self._inbox:
@@ -315,11 +348,18 @@ class AsyncEngine:
                         self.engine.abort(out.request_id)
 
     def _fail_all(self, error: BaseException) -> None:
-        for stream, loop in self._streams.values():
-            post(loop, stream._put, error)
+        """End every stream and queued command with `error`: from the engine thread as it
+        stops, or the watchdog's while the engine thread hangs (a copy of the streams,
+        taken whole under the GIL; the deque's pops are atomic)."""
+        streams = list(self._streams.values())
         self._streams.clear()
+        for stream, loop in streams:
+            post(loop, stream._put, error)
         while self._inbox:
-            command = self._inbox.popleft()
+            try:
+                command = self._inbox.popleft()
+            except IndexError:  # the other thread took the last one
+                break
             if command[0] in ("add", "call"):  # their last two fields: future, its loop
                 post(command[-1], _settle, command[-2], error)
 

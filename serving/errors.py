@@ -13,6 +13,11 @@ class EngineDead(RuntimeError):
     """The engine thread stopped after an error; nothing more will be served (500)."""
 
 
+class EngineStalled(EngineDead):
+    """An engine iteration ran past its bound (a hung device or a deadlocked call): the
+    engine is given up as dead, its requests end with this error."""
+
+
 class Unavailable(RuntimeError):
     """No worker of a role the request needs is live now (503): the router answers at
     once instead of prefilling a request that no decode worker could take."""

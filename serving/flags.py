@@ -83,6 +83,10 @@ def server_parser(prog: str = "python -m serving.api", description: str | None =
     p.add_argument("--max-logprobs", type=int, default=20)
     p.add_argument("--max-queued-requests", type=int, default=1024,
                    help="requests waiting beyond this are answered 503")
+    p.add_argument("--engine-iteration-timeout", type=float, default=120.0, metavar="SECONDS",
+                   help="an engine iteration (a step, or a compile while serving) running "
+                        "longer counts as a hung engine: its requests end with an error and "
+                        "the health check fails (vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S)")
     api_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer <key>' on the /v1 routes (401 "
                         "otherwise), as vllm serve does; default: the environment's "

@@ -13,7 +13,7 @@ import pytest
 
 from serving.api.text import BUILTIN_TOKENIZER, IncrementalDecoder, Tokenizer
 from serving.assets import make_tiny_tokenizer
-from serving.async_engine import AsyncEngine, EngineDead, EngineOverloaded
+from serving.async_engine import AsyncEngine, EngineDead, EngineOverloaded, EngineStalled
 from serving.engine import RequestOutput, SamplingParams
 
 # ---- the built-in tokenizer -------------------------------------------------
@@ -258,6 +258,30 @@ def test_engine_crash_reaches_every_caller():
         with pytest.raises(EngineDead):
             await ae.add("later", [1], SamplingParams())
     run(go, ScriptedEngine(crash_on="boom"))
+
+
+def test_a_hung_engine_ends_its_requests_and_fails_health():
+    """A step that never returns: past the iteration bound the watchdog ends the request
+    and the health check fails; the step coming back later stops the thread."""
+    engine = ScriptedEngine()
+    engine.gate.clear()  # the first step hangs until the test opens the gate
+
+    async def go(ae):
+        stream = await ae.add("a", [1], SamplingParams(max_tokens=4))
+
+        async def drain():
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineStalled, match="over the 0.3 s bound"):
+            await asyncio.wait_for(drain(), 60)  # fails rather than hangs without a watchdog
+        with pytest.raises(EngineDead, match="EngineStalled"):
+            ae.check_health()
+        with pytest.raises(EngineDead):
+            await ae.add("later", [1], SamplingParams())
+        engine.gate.set()
+        await asyncio.to_thread(ae._thread.join, 30)
+        assert not ae._thread.is_alive() and isinstance(ae.error, EngineStalled)
+    run(go, engine, iteration_timeout=0.3)
 
 
 # ---- the app over a failing engine ----------------------------------------------

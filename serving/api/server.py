@@ -63,7 +63,8 @@ def build(args) -> tuple:
     llm = LLM(model, tokenizer=tokenizer, dtype=dtype, seed=args.seed,
               hf_overrides=args.hf_overrides, quantization=args.quantization,
               compilation_cache_dir=args.compilation_cache_dir, **engine_kwargs(args))
-    engine = AsyncEngine(llm.engine, max_queued_requests=args.max_queued_requests)
+    engine = AsyncEngine(llm.engine, max_queued_requests=args.max_queued_requests,
+                         iteration_timeout=args.engine_iteration_timeout)
     app = build_app(engine, tokenizer, args.served_model_name or model,
                     model_path=model_root(model), api_key=api_key(args),
                     max_request_bytes=args.max_request_bytes,

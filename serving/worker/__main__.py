@@ -79,7 +79,8 @@ def load_worker(a, secret: str, agent_type=None):
     common = dict(model_name=name, dtype=dtype, secret=secret, lease_ttl=a.lease_ttl,
                   host=a.host, transfer_port=a.transfer_port,
                   transfer_interface=a.transfer_interface,
-                  max_queued_requests=a.max_queued_requests, mtp=mtp,
+                  max_queued_requests=a.max_queued_requests,
+                  iteration_timeout=a.engine_iteration_timeout, mtp=mtp,
                   tokenizer=Tokenizer(find_tokenizer(name, a.tokenizer)),
                   agent_type=agent_type or Agent)
     if a.role == "prefill":

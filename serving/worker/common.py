@@ -56,7 +56,8 @@ class WorkerBase(EngineConnector):
     def __init__(self, model, config: EngineConfig, *, model_name: str, dtype, secret: str,
                  lease_ttl: float = 30.0, host: str = "127.0.0.1",
                  transfer_port: int = 0, transfer_interface: str = LOOPBACK, tokenizer=None,
-                 max_queued_requests: int = 1024, agent_type=Agent, mtp=None):
+                 max_queued_requests: int = 1024, agent_type=Agent, mtp=None,
+                 iteration_timeout: float = 120.0):
         self.model_name = model_name
         cfg, mesh = model.config, config.mesh()
         self.sharded = mesh is not None
@@ -97,7 +98,7 @@ class WorkerBase(EngineConnector):
                                     "transfer_size": BucketCounts(TRANSFER_BYTES),
                                     "transfer_descs": BucketCounts(TRANSFER_DESCRIPTORS)}
         self.engine = AsyncEngine(engine, max_queued_requests=max_queued_requests,
-                                  connector=self)
+                                  connector=self, iteration_timeout=iteration_timeout)
         self.progress = ProgressThread(self.transfer, on_ready=self.engine.wake)
 
     def _settle(self, eng: Engine) -> None:
