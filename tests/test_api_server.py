@@ -108,15 +108,27 @@ def test_n_choices(client):
 
 
 def test_logprobs_and_echo(client):
-    r = complete(client, prompt="Echo me", max_tokens=5, logprobs=3, echo=True,
+    r = complete(client, prompt="Echo me", max_tokens=5, logprobs=3,
                  extra_body={"ignore_eos": True})
     c = r.choices[0]
-    assert c.text.startswith("Echo me")
     lp = c.logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
     assert all(v <= 0 for v in lp.token_logprobs)
     assert all(3 <= len(top) <= 4 for top in lp.top_logprobs), lp.top_logprobs  # top 3 + the chosen one
-    assert lp.text_offset[0] == len("Echo me")
+    assert lp.text_offset[0] == 0
+    echoed = complete(client, prompt="Echo me", max_tokens=5, echo=True, temperature=0,
+                      extra_body={"ignore_eos": True}).choices[0]
+    assert echoed.text.startswith("Echo me") and echoed.logprobs is None
+
+
+def test_null_max_tokens_is_the_rest_of_the_context(server):
+    """As vLLM: an absent max_tokens is OpenAI's 16, null the rest of each prompt's context."""
+    body = {"prompt": [[5, 6, 7], [5]], "temperature": 0, "ignore_eos": True}
+    absent = post(server, "/v1/completions", body).json()
+    null = post(server, "/v1/completions", {**body, "max_tokens": None}).json()
+    assert [c["finish_reason"] for c in absent["choices"]] == ["length"] * 2
+    assert absent["usage"]["completion_tokens"] == 2 * 16
+    assert null["usage"]["completion_tokens"] == 2 * api_server.MAX_MODEL_LEN - 3 - 1
 
 
 def test_stop_string(client):
@@ -231,6 +243,7 @@ TOO_LONG = list(range(3, 3 + api_server.MAX_MODEL_LEN))
     ({"prompt": "x", "guided_regex": "a+"}, "guided_regex"),  # vLLM's, not implemented here
     ({"prompt": "x", "use_beam_search": True}, "use_beam_search"),
     ({"prompt": "x", "skip_special_tokens": False}, "skip_special_tokens"),
+    ({"prompt": "x", "echo": True, "logprobs": 0}, "echo"),  # the prompt's logprobs too
     ({"prompt": ["x"] * 1025}, "prompt"),  # each prompt is queued: at most 1024 a request
     ({"prompt": [[5]] * 1025}, "prompt"),
     ({}, "prompt"),

@@ -85,6 +85,10 @@ def check_supported(body) -> None:
     chat = isinstance(body, ChatCompletionRequest)
     if chat and body.top_logprobs is not None and not body.logprobs:
         raise APIError("top_logprobs: only with logprobs", "top_logprobs")
+    if not chat and body.echo and body.logprobs is not None:
+        # OpenAI's answer lists the echoed prompt's tokens with their logprobs too
+        raise APIError("echo: not supported with logprobs (the prompt's logprobs are not "
+                       "computed by this server)", "echo")
 
 
 def check_model(model: str | None, limits: Limits) -> None:
@@ -263,11 +267,12 @@ def check_length(prompt: Prompt, max_tokens: int, limits: Limits, field: str) ->
                        f"for {max_tokens} more", field)
 
 
-def jobs(prompts: list[Prompt], n: int, params: SamplingParams) -> list[Job]:
-    """`n` choices per prompt, indexed like vLLM (prompt i, sample j -> i*n + j).
-    With a seed, sample j uses seed + j, so the choices differ yet repeat."""
+def jobs(prompts: list[Prompt], n: int, params: list[SamplingParams]) -> list[Job]:
+    """`n` choices per prompt (``params[i]`` for prompt i), indexed like vLLM (prompt i,
+    sample j -> i*n + j). With a seed, sample j uses seed + j, so the choices differ yet
+    repeat."""
     out = []
-    for i, prompt in enumerate(prompts):
+    for i, (prompt, params) in enumerate(zip(prompts, params, strict=True)):
         for j in range(n):
             seed = None if params.seed is None else (params.seed + j) % 2**32
             out.append(Job(i * n + j, prompt, replace(params, seed=seed)))
@@ -279,12 +284,15 @@ def completion_jobs(body: CompletionRequest, tok: Tokenizer, limits: Limits,
     check_supported(body)
     check_model(body.model, limits)
     prompts = completion_prompts(body, tok)
-    max_tokens = body.max_tokens or 16  # null means the default, as in vLLM
+    params = []
     for prompt in prompts:
         check_prompt(prompt, limits, "prompt")
+        # absent: OpenAI's 16; null: the rest of the prompt's context, as in vLLM
+        max_tokens = (limits.max_model_len - len(prompt.token_ids) if body.max_tokens is None
+                      else body.max_tokens)
         check_length(prompt, max_tokens, limits, "max_tokens")
-    params = sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs, limits=limits,
-                             defaults=options.sampling_defaults)
+        params.append(sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs,
+                                      limits=limits, defaults=options.sampling_defaults))
     return jobs(prompts, body.n, params)
 
 
@@ -302,4 +310,4 @@ def chat_jobs(body: ChatCompletionRequest, tok: Tokenizer, limits: Limits,
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, limits=limits,
                              defaults=options.sampling_defaults)
-    return [replace(j, parsing=parsing) for j in jobs([prompt], body.n, params)]
+    return [replace(j, parsing=parsing) for j in jobs([prompt], body.n, [params])]
