@@ -315,10 +315,9 @@ class Qwen35Config:
                               f"attention layer after interval-1 GDN layers), got {interval!r}")
         if layer_types is None:
             interval = interval or 4  # Qwen3.5's, when neither is given
-            layer_types = [FULL if (i + 1) % interval == 0 else LINEAR for i in range(n_layers)]
+            layer_types = _layers(n_layers, interval)
         elif interval is not None:
-            implied = [FULL if (i + 1) % interval == 0 else LINEAR for i in range(n_layers)]
-            if list(layer_types) != implied:
+            if tuple(layer_types) != _layers(n_layers, interval):
                 raise ConfigError(f"{name}: layer_types contradicts full_attention_interval="
                                   f"{interval}")
         eos = t.pop("eos_token_id", None)
@@ -435,6 +434,7 @@ def _number(v, key: str, name: str) -> float:
 
 
 def _layers(n: int, interval: int = 4) -> tuple[str, ...]:
+    """Qwen3.5's layer pattern: a full-attention layer after every interval - 1 GDN ones."""
     return tuple(FULL if (i + 1) % interval == 0 else LINEAR for i in range(n))
 
 
