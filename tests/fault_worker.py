@@ -3,6 +3,7 @@ agent injects faults (`faulty_agent.FaultyAgent`), with one more route:
 
     POST /debug/faults  {"fail_next": n, "hang_next": m}: the next n pulls fail, the m
                         after them are never posted (they time out)
+    POST /debug/crash   the engine's next step raises (its engine thread stops)
 
 so the disaggregated tests break a transfer inside a real worker process.
 """
@@ -31,6 +32,15 @@ def main():
     @app.post("/debug/faults")
     async def faults(body: Faults):
         worker.agent.fail_next, worker.agent.hang_next = body.fail_next, body.hang_next
+        return {"ok": True}
+
+    @app.post("/debug/crash")
+    async def crash():
+        def step():
+            raise RuntimeError("injected engine crash")
+        worker.engine.engine.step = step
+        worker.engine.engine.has_steps = lambda: True
+        worker.engine.wake()
         return {"ok": True}
 
     serve(worker, app, a)
