@@ -6,11 +6,18 @@ frame to its request's queue. A request's queue is registered before its ``/deco
 posted, so no frame can come before it. When the stream ends, breaks or sends a malformed
 line, every request on the channel ends with ``WorkerFailed`` and the next request opens
 a new channel.
+
+Frames of a request the router no longer follows (its caller left, and the router sent
+the worker an abort) are strays. They stop at the worker's "abort" frame; a request that
+still sends them ``STRAY_GRACE`` seconds later has not heard the abort (the call was
+lost), and it is sent again, once a grace, until the request's finished frame.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
 
 import httpx
 from pydantic import ValidationError
@@ -19,10 +26,17 @@ from serving.errors import WorkerFailed
 from serving.messages import DecodeOutputs
 
 
+STRAY_GRACE = 1.0  # seconds of frames after its abort before a request is told again
+
+
 class OutputChannel:
-    def __init__(self, client: httpx.AsyncClient, url: str):
-        self._client, self.url = client, url
+    def __init__(self, client: httpx.AsyncClient, url: str,
+                 on_stray: Callable[[str, str], None] = lambda request_id, channel: None):
+        """``on_stray(request_id, channel id)``: tell the worker again to abort a request
+        whose frames still come (the router's ``_abort``)."""
+        self._client, self.url, self._on_stray = client, url, on_stray
         self._queues: dict[str, asyncio.Queue] = {}
+        self._strays: dict[str, float] = {}  # request id -> when its abort is due again
         self._id: str | None = None
         self._reader: asyncio.Task | None = None
         self._opening: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
@@ -89,8 +103,10 @@ class OutputChannel:
                     return
                 for frame in batch.frames:
                     queue = self._queues.get(frame.request_id)
-                    if queue is not None:  # else aborted here, or never this router's
+                    if queue is not None:
                         queue.put_nowait(frame)
+                    else:
+                        self._stray(frame)
         except (httpx.TransportError, httpx.StreamError) as e:
             error = WorkerFailed(f"decode worker {self.url} failed mid-request: {e!r}")
         finally:
@@ -98,7 +114,21 @@ class OutputChannel:
             for queue in self._queues.values():
                 queue.put_nowait(error)
             self._queues.clear()
+            self._strays.clear()  # the worker aborts a closed channel's requests
             await response.aclose()
+
+    def _stray(self, frame) -> None:
+        """A frame of a request unregistered here: its abort is sent again once it has
+        had ``STRAY_GRACE`` seconds to land, and again a grace later, until the request's
+        finished frame."""
+        if frame.finished:
+            self._strays.pop(frame.request_id, None)
+            return
+        now = time.monotonic()
+        due = self._strays.setdefault(frame.request_id, now + STRAY_GRACE)
+        if now >= due:
+            self._strays[frame.request_id] = now + STRAY_GRACE
+            self._on_stray(frame.request_id, self._id)
 
     def close(self) -> None:
         """Stop reading (the router is shutting down); the worker then aborts the

@@ -219,7 +219,10 @@ class Router:
                 await asyncio.sleep(0.05)
                 continue
             self.decode.load[url] += 1
-            channel = self._channels.setdefault(url, OutputChannel(self._client, url))
+            channel = self._channels.get(url)
+            if channel is None:
+                channel = self._channels[url] = OutputChannel(
+                    self._client, url, on_stray=lambda rid, ch, url=url: self._abort(url, rid, ch))
             queue = channel.register(request_id)
             try:
                 response = await self._register(url)

@@ -226,3 +226,70 @@ def test_a_channel_that_ends_before_its_first_line_fails_the_request_as_the_work
         assert router.decode.load["http://d"] == 0
 
     asyncio.run(go())
+
+
+def test_a_lost_abort_is_sent_again_while_the_requests_frames_still_come(monkeypatch):
+    """The caller left and the router's /abort was lost: the worker goes on sending the
+    request's frames, so the router tells it again a grace later, and stops at the
+    request's finished ("abort") frame."""
+    import httpx
+
+    from serving import output_channel
+
+    monkeypatch.setattr(output_channel, "STRAY_GRACE", 0.05)
+    lines, aborts = asyncio.Queue(), []
+
+    def handler(request):
+        if request.url.path == "/prefill":
+            return httpx.Response(200, json={"token_ids": [1], "transfer": TICKET})
+        if request.url.path == "/outputs":
+            async def body():
+                yield (json.dumps({"channel": "1"}) + "\n").encode()
+                while (line := await lines.get()) is not None:
+                    yield line
+            return httpx.Response(200, content=body())
+        if request.url.path == "/abort":
+            aborts.append(json.loads(request.content))  # and lost: the worker goes on
+            return httpx.Response(200, json={"aborted": False})
+        return httpx.Response(200, json={"ok": True})
+
+    def frame(**kw):
+        return (json.dumps({"frames": [{"request_id": "a", **kw}]}) + "\n").encode()
+
+    router = Router(["http://p"], ["http://d"], secret=SECRET, max_model_len=64, max_logprobs=0)
+    router._client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    router._ensure_polling = lambda: None
+
+    async def go():
+        stream = await router.add("a", [1, 9], SamplingParams(max_tokens=40))
+        await stream.aclose()  # the caller left
+        for _ in range(4):  # frames a grace apart: the abort is sent again for each
+            lines.put_nowait(frame(new_token_ids=[7]))
+            await asyncio.sleep(0.08)
+        lines.put_nowait(frame(finished=True, finish_reason="abort"))
+        lines.put_nowait(frame(new_token_ids=[7]))  # after the end the grace starts afresh
+        await asyncio.sleep(0.05)
+        assert [a["request_id"] for a in aborts] == ["a"] * 4, aborts
+        assert all(a["channel"] == "1" for a in aborts)
+        lines.put_nowait(None)
+
+    asyncio.run(go())
+
+
+def test_an_aborted_request_ends_with_an_abort_frame():
+    from serving.worker.channels import Channels
+
+    async def go():
+        channel = Channels(keepalive=0.05).open()
+        confirmed = asyncio.get_running_loop().create_future()
+        confirmed.set_result(None)
+        channel.start("b", _Stream([_out("b", [7])], finish=False), confirmed)
+        await asyncio.sleep(0.01)
+        assert channel.abort("b")
+        await asyncio.sleep(0.01)
+        frames = [channel._frames.get_nowait() for _ in range(channel._frames.qsize())]
+        assert [(f.new_token_ids, f.finished, f.finish_reason) for f in frames] == \
+            [([7], False, None), ([], True, "abort")]
+        channel.close()
+
+    asyncio.run(go())

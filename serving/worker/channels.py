@@ -57,13 +57,16 @@ class Channel:
                                if self._pumps.get(request_id) is t else None)
 
     async def _pump(self, request_id: str, stream, confirmed: asyncio.Future) -> None:
-        """Every request that starts here ends with a finished frame, an error one if
-        anything stops its outputs: the router waits for it."""
-        error = None
+        """Every request that starts here ends with a finished frame: an error one if
+        anything stops its outputs (the router waits for it), an "abort" one if it was
+        aborted (the router stops re-sending its abort: ``serving.output_channel``)."""
+        error = aborted = None
         try:
             await confirmed
             async for out in stream:
                 self._frames.put_nowait(DecodeFrame.of(out))
+        except asyncio.CancelledError:  # `abort`, or the channel closed
+            aborted = DecodeFrame(request_id=request_id, finished=True, finish_reason="abort")
         except (TransferFailed, EngineDead) as e:
             error = str(e)
         except Exception as e:  # noqa: BLE001 -- e.g. an output no frame can carry (a NaN logprob)
@@ -73,6 +76,8 @@ class Channel:
             await stream.aclose()  # a request still running is aborted
         if error is not None:
             self._frames.put_nowait(DecodeFrame(request_id=request_id, error=error, finished=True))
+        elif aborted is not None:
+            self._frames.put_nowait(aborted)
 
     def abort(self, request_id: str) -> bool:
         """Abort a request of this channel; False if it is not running here: ended, or not
