@@ -75,6 +75,46 @@ def test_incremental_decoder_holds_back_for_stop_strings(tok):
     assert out + dec.finish("hello world") == "hello world"
 
 
+def _stop_run(tok, text, params):
+    """The engine's stop check fed ``text``'s tokens one at a time: (finish_reason,
+    stop_reason, the request's text, its tokens) once it stops."""
+    from serving.engine.request import Request
+    from serving.engine.stop import check_stop
+
+    req = Request("r", [5], params, seed=0)
+    config = SimpleNamespace(eos_token_ids=(1,), max_model_len=4096)
+    for t in tok.encode(text):
+        req.output_token_ids.append(t)
+        reason, stop_reason = check_stop(req, config, tok)
+        if reason is not None:
+            return reason, stop_reason, req.output_text, list(req.output_token_ids)
+    return None, None, req.output_text, list(req.output_token_ids)
+
+
+@pytest.mark.parametrize("stop, before", [("€", "Price: 5"), ("o 😀", "Price: 5€ and s"),
+                                          ("。", "Price: 5€ and so 😀 on")])
+def test_a_stop_string_ending_in_a_character_of_several_tokens_is_found(tok, stop, before):
+    text = "Price: 5€ and so 😀 on。 and on"
+    assert len(tok.encode(stop[-1])) > 1  # the character comes in byte tokens
+    reason, stop_reason, out, _ = _stop_run(tok, text, SamplingParams(stop=[stop], max_tokens=64))
+    assert (reason, stop_reason, out) == ("stop", stop, before)
+
+
+def test_a_stop_token_ids_text_is_left_out_unless_asked(tok):
+    """As vLLM: the token that stopped the request is not part of its text."""
+    from serving.api.render import final_text
+
+    (dot,) = tok.encode(".")
+    for include, text in ((False, "Hello world"), (True, "Hello world.")):
+        params = SamplingParams(stop_token_ids=[dot], include_stop_str_in_output=include,
+                                max_tokens=64)
+        reason, stop_reason, _, ids = _stop_run(tok, "Hello world. More text", params)
+        assert (reason, stop_reason) == ("stop", dot)
+        out = RequestOutput("r", [5], ids, ids[-1:], True, finish_reason=reason,
+                            stop_reason=stop_reason)
+        assert final_text(tok, out, SimpleNamespace(params=params)) == text
+
+
 # ---- AsyncEngine over a scripted engine ---------------------------------------
 
 class ScriptedEngine:

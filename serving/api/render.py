@@ -19,6 +19,7 @@ from serving.api.protocol import (AssistantMessage, ChatChoice, ChatCompletionCh
                                   TopLogprob, UsageInfo)
 from serving.api.text import IncrementalDecoder, Tokenizer
 from serving.engine import RequestOutput
+from serving.engine.stop import text_token_ids
 
 DONE = "[DONE]"  # the data of a stream's last event, as OpenAI ends it
 
@@ -29,7 +30,8 @@ def sse(body) -> str:
 
 
 def final_text(tok: Tokenizer, out: RequestOutput, job: Job) -> str:
-    text = tok.decode(out.token_ids)
+    text = tok.decode(text_token_ids(out.token_ids, out.finish_reason, out.stop_reason,
+                                     job.params))
     if isinstance(out.stop_reason, str):
         i = text.find(out.stop_reason)
         if i >= 0:

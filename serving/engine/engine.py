@@ -68,7 +68,7 @@ from serving.engine.runner import Runner
 from serving.engine.sampling_params import SamplingParams
 from serving.engine.scheduler import Scheduler
 from serving.engine.state_pool import SlotPool
-from serving.engine.stop import check_stop
+from serving.engine.stop import check_stop, text_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -383,8 +383,9 @@ class Engine(RemoteMemory):
         req.finish_time = time.perf_counter()
         if not (req.hold_on_finish or req.request_id in self.scheduler.transferring):
             self.requests.pop(req.request_id, None)
-        if self.tokenizer is not None and not req.output_text:
-            req.output_text = self.tokenizer.decode(req.output_token_ids)
+        if self.tokenizer is not None and not isinstance(req.stop_reason, str):
+            req.output_text = self.tokenizer.decode(text_token_ids(
+                req.output_token_ids, req.finish_reason, req.stop_reason, req.params))
         return self._output(req, list(new))
 
     def _output(self, req: Request, new: list[int]) -> RequestOutput:

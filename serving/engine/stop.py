@@ -17,7 +17,9 @@ def check_stop(req: Request, config, tokenizer) -> tuple[str | None, int | str |
         # Decoding the whole output each token is quadratic in its length, but
         # only requests with stop strings pay it and it stays correct across
         # multi-token characters; incremental detokenization can replace it.
-        seen = len(req.output_text)
+        # a character still incomplete ("\ufffd" at the end) is not settled text: the
+        # token that completes it may complete a stop string ending in it
+        seen = len(req.output_text.rstrip("\ufffd"))
         req.output_text = text = tokenizer.decode(req.output_token_ids)
         for s in p.stop:
             i = text.find(s, max(0, seen - len(s) + 1))
@@ -27,3 +29,13 @@ def check_stop(req: Request, config, tokenizer) -> tuple[str | None, int | str |
     if len(req.output_token_ids) >= p.max_tokens or req.num_known_tokens >= config.max_model_len:
         return "length", None
     return None, None
+
+
+def text_token_ids(token_ids, finish_reason, stop_reason, params):
+    """The tokens a finished request's text decodes (a stop string's cut is the caller's):
+    all but the one that stopped it (EOS or a stop token id) unless
+    ``include_stop_str_in_output``, as vLLM leaves a stop token's text out."""
+    if (finish_reason == "stop" and not isinstance(stop_reason, str)
+            and not params.include_stop_str_in_output):
+        return token_ids[:-1]
+    return token_ids
