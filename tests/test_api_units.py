@@ -115,6 +115,32 @@ def test_a_stop_token_ids_text_is_left_out_unless_asked(tok):
         assert final_text(tok, out, SimpleNamespace(params=params)) == text
 
 
+@pytest.mark.parametrize("text, stop", [("a€b c d", []), ("abcdefgh", ["xyz"])])
+def test_text_offsets_are_where_each_token_starts_streamed_or_not(tok, text, stop):
+    """A character of several tokens starts at each of them; text held back for a stop
+    string counts; streamed offsets equal the non-streamed ones."""
+    import dataclasses
+
+    from serving.api import render
+    from serving.api.prepare import Job, Prompt
+
+    ids = tok.encode(text)
+    params = SamplingParams(max_tokens=len(ids), stop=stop, logprobs=0)
+    job = Job(0, Prompt([5]), params)
+    outs = [RequestOutput("r", [5], ids[:k + 1], [t], k + 1 == len(ids),
+                          finish_reason="length" if k + 1 == len(ids) else None,
+                          logprobs=[{u: -0.5} for u in ids[:k + 1]])
+            for k, t in enumerate(ids)]
+    whole = render.completion_response("id", "m", [job], outs[-1:], tok, echo=False).choices[0]
+    assert whole.text == text
+    assert whole.logprobs.text_offset == [len(tok.decode(ids[:k]).rstrip("\ufffd"))
+                                          for k in range(len(ids))]
+    streamed = render.StreamRenderer(False, "id", "m", [job], tok)
+    offsets = [o for out in outs for e in streamed.update(0, dataclasses.replace(out))
+               for o in json.loads(e)["choices"][0]["logprobs"]["text_offset"]]
+    assert offsets == whole.logprobs.text_offset
+
+
 # ---- AsyncEngine over a scripted engine ---------------------------------------
 
 class ScriptedEngine:

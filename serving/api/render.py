@@ -55,17 +55,34 @@ def usage(jobs: list[Job], outs: list[RequestOutput | None]) -> UsageInfo:
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(cached.values())))
 
 
+class TextOffsets:
+    """OpenAI's ``text_offset``: where each token's text starts in a choice's text, from
+    ``start`` (after an echoed prompt). It is the length of the text the earlier tokens
+    decode to, so a character of several tokens starts at each of them, and held-back
+    text (stop strings) counts as it does in the non-streamed answer."""
+
+    def __init__(self, tok: Tokenizer, start: int):
+        self._dec, self._pos = IncrementalDecoder(tok), start
+
+    def of(self, token_ids: list[int]) -> list[int]:
+        """The offsets of the choice's next tokens (every token passes here once)."""
+        out = []
+        for t in token_ids:
+            out.append(self._pos)
+            self._pos += len(self._dec.push([t]))
+        return out
+
+
 def completion_logprobs(tok: Tokenizer, token_ids: list[int], lps: list[dict[int, float]],
-                        offset: int) -> CompletionLogprobs:
-    """`offset`: where the first token's text starts in the choice's text."""
+                        offsets: list[int]) -> CompletionLogprobs:
+    """``offsets``: where each token's text starts in the choice's text (TextOffsets)."""
     res = CompletionLogprobs()
-    for t, top in zip(token_ids, lps):
+    for t, top, offset in zip(token_ids, lps, offsets):
         s = tok.token_str(t)
         res.tokens.append(s)
         res.token_logprobs.append(top.get(t))
         res.top_logprobs.append({tok.token_str(k): v for k, v in top.items()})
         res.text_offset.append(offset)
-        offset += len(tok.decode([t]))  # its share of the text, not of its "bytes:" name
     return res
 
 
@@ -91,7 +108,8 @@ def completion_response(request_id: str, model: str, jobs: list[Job], outs: list
         prefix = _echo_text(tok, job) if echo else ""
         lp = None
         if out.logprobs is not None:
-            lp = completion_logprobs(tok, out.token_ids, out.logprobs, len(prefix))
+            lp = completion_logprobs(tok, out.token_ids, out.logprobs,
+                                     TextOffsets(tok, len(prefix)).of(out.token_ids))
         choices.append(CompletionChoice(index=job.index, text=prefix + final_text(tok, out, job),
                                         logprobs=lp, finish_reason=out.finish_reason,
                                         stop_reason=out.stop_reason))
@@ -143,7 +161,7 @@ class StreamRenderer:
         self.created = int(time.time())
         self.decoders = [IncrementalDecoder(tok, _holdback(j)) for j in jobs]
         self.prefix = [_echo_text(tok, j) if echo else "" for j in jobs]
-        self.offsets = [len(p) for p in self.prefix]
+        self.offsets = [TextOffsets(tok, len(p)) for p in self.prefix]
         self.finals: list[RequestOutput | None] = [None] * len(jobs)
         self.latest: list[RequestOutput | None] = [None] * len(jobs)
         self.texts = [""] * len(jobs)  # each choice's text sent so far
@@ -205,9 +223,8 @@ class StreamRenderer:
     def _completion_choice(self, i, text, new, lps, out) -> str:
         job = self.jobs[i]
         lp = None
-        if lps:
-            lp = completion_logprobs(self.tok, new, lps, self.offsets[i])
-        self.offsets[i] += len(text)
+        if lps is not None:
+            lp = completion_logprobs(self.tok, new, lps, self.offsets[i].of(new)) if lps else None
         return sse(CompletionResponse(
             id=self.id, created=self.created, model=self.model, usage=self._running_usage(),
             choices=[CompletionChoice(index=job.index, text=text, logprobs=lp,
