@@ -141,6 +141,31 @@ def test_text_offsets_are_where_each_token_starts_streamed_or_not(tok, text, sto
     assert offsets == whole.logprobs.text_offset
 
 
+def test_continuous_usage_counts_the_chunks_own_choice(tok):
+    """As vLLM: with several prompts and choices, a chunk's running usage is its choice's
+    prompt and tokens so far; the final usage counts each prompt once, every choice."""
+    from serving.api import render
+    from serving.api.prepare import Job, Prompt
+
+    params = SamplingParams(max_tokens=3)
+    prompts = [Prompt([5, 6, 7]), Prompt([8])]
+    jobs = [Job(2 * p + c, prompts[p], params) for p in range(2) for c in range(2)]
+    r = render.StreamRenderer(False, "id", "m", jobs, tok, include_usage=True,
+                              continuous_usage=True)
+    seen = []
+    for k in range(3):
+        for i in range(4):
+            out = RequestOutput("r", prompts[i // 2].token_ids, [40 + i] * (k + 1), [40 + i],
+                                k == 2, finish_reason="length" if k == 2 else None)
+            for e in r.update(i, out):
+                chunk = json.loads(e)
+                seen.append((chunk["choices"][0]["index"], chunk["usage"]["prompt_tokens"],
+                             chunk["usage"]["completion_tokens"]))
+    assert seen == [(i, 3 if i < 2 else 1, k + 1) for k in range(3) for i in range(4)]
+    final = json.loads(r.end()[0])["usage"]
+    assert (final["prompt_tokens"], final["completion_tokens"]) == (4, 12)
+
+
 # ---- AsyncEngine over a scripted engine ---------------------------------------
 
 class ScriptedEngine:

@@ -171,8 +171,8 @@ class StreamRenderer:
     def start(self) -> list[str]:
         if not self.chat:
             return []
-        return [self._chat_chunk(ChatStreamChoice(index=j.index, delta=DeltaMessage(
-            role="assistant", content=""))) for j in self.jobs]
+        return [self._chat_chunk(i, ChatStreamChoice(index=j.index, delta=DeltaMessage(
+            role="assistant", content=""))) for i, j in enumerate(self.jobs)]
 
     def update(self, i: int, out: RequestOutput) -> list[str]:
         job, dec = self.jobs[i], self.decoders[i]
@@ -215,7 +215,7 @@ class StreamRenderer:
     def _chat_choice(self, i, delta: DeltaMessage, new, lps, out) -> str:
         job = self.jobs[i]
         lp = chat_logprobs(self.tok, new, lps, job.params.logprobs) if lps else None
-        return self._chat_chunk(ChatStreamChoice(
+        return self._chat_chunk(i, ChatStreamChoice(
             index=job.index, delta=delta, logprobs=lp,
             finish_reason=_finish_reason(out, self.called_tools[i]) if out.finished else None,
             stop_reason=out.stop_reason if out.finished else None))
@@ -226,14 +226,16 @@ class StreamRenderer:
         if lps is not None:
             lp = completion_logprobs(self.tok, new, lps, self.offsets[i].of(new)) if lps else None
         return sse(CompletionResponse(
-            id=self.id, created=self.created, model=self.model, usage=self._running_usage(),
+            id=self.id, created=self.created, model=self.model, usage=self._running_usage(i),
             choices=[CompletionChoice(index=job.index, text=text, logprobs=lp,
                                       finish_reason=out.finish_reason if out.finished else None,
                                       stop_reason=out.stop_reason if out.finished else None)]))
 
-    def _running_usage(self) -> UsageInfo | None:
-        return usage(self.jobs, self.latest) if self.continuous_usage else None
+    def _running_usage(self, i: int) -> UsageInfo | None:
+        """``continuous_usage_stats``: the chunk's own choice, its prompt and its tokens so
+        far (vLLM's convention; the final usage sums every choice)."""
+        return usage(self.jobs[i:i + 1], self.latest[i:i + 1]) if self.continuous_usage else None
 
-    def _chat_chunk(self, choice: ChatStreamChoice) -> str:
+    def _chat_chunk(self, i: int, choice: ChatStreamChoice) -> str:
         return sse(ChatCompletionChunk(id=self.id, created=self.created, model=self.model,
-                                       choices=[choice], usage=self._running_usage()))
+                                       choices=[choice], usage=self._running_usage(i)))
