@@ -33,9 +33,9 @@ def check_stop(req: Request, config, tokenizer) -> tuple[str | None, int | str |
 
 def text_token_ids(token_ids, finish_reason, stop_reason, params):
     """The tokens a finished request's text decodes (a stop string's cut is the caller's):
-    all but the one that stopped it (EOS or a stop token id) unless
-    ``include_stop_str_in_output``, as vLLM leaves a stop token's text out."""
-    if (finish_reason == "stop" and not isinstance(stop_reason, str)
+    all but a stop token id that ended it, unless ``include_stop_str_in_output``, as vLLM
+    leaves that token's text out (EOS is a special token, which decoding skips)."""
+    if (finish_reason == "stop" and isinstance(stop_reason, int)
             and not params.include_stop_str_in_output):
         return token_ids[:-1]
     return token_ids
