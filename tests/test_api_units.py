@@ -166,6 +166,47 @@ def test_continuous_usage_counts_the_chunks_own_choice(tok):
     assert (final["prompt_tokens"], final["completion_tokens"]) == (4, 12)
 
 
+_WEATHER = {"name": "get_weather", "parameters": {"type": "object", "properties": {
+    "city": {"type": "string"}}}}
+_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("reply, reasoning, tools, content", [
+    (_CALL + "\n" + _CALL, False, True, None),  # whitespace between calls is no content
+    ("\n" + _CALL, False, True, None),
+    ("Sure.\n" + _CALL + "\n" + _CALL + " bye", False, True, "Sure.\n\n bye"),
+    ("<think>hmm</think>", True, False, None),  # vLLM: no content is None, not ""
+    ("<think></think>\n\nHi", True, False, "Hi"),
+    ("one two  three", True, False, "one two  three"),
+])
+def test_a_streamed_chat_reply_adds_up_to_the_whole_one(tok, reply, reasoning, tools, content):
+    from serving.api import render
+    from serving.api.chat_output import ChatParsing
+    from serving.api.prepare import Job, Prompt
+
+    parsing = ChatParsing(reasoning, False, "hermes" if tools else None,
+                          {"get_weather": _WEATHER} if tools else {})
+    job = Job(0, Prompt([5]), SamplingParams(max_tokens=1000), parsing)
+    ids = tok.encode(reply)
+    outs = [RequestOutput("r", [5], ids[:k + 1], [t], k + 1 == len(ids),
+                          finish_reason="stop" if k + 1 == len(ids) else None)
+            for k, t in enumerate(ids)]
+    whole = render.chat_response("id", "m", [job], outs[-1:], tok).choices[0].message
+    assert whole.content == content
+    r = render.StreamRenderer(True, "id", "m", [job], tok)
+    r.start()
+    got = {"content": None, "reasoning_content": None, "calls": []}
+    for out in outs:
+        for e in r.update(0, out):
+            delta = json.loads(e)["choices"][0]["delta"]
+            for key in ("content", "reasoning_content"):
+                if delta.get(key) is not None:
+                    got[key] = (got[key] or "") + delta[key]
+            got["calls"] += [c["function"]["arguments"] for c in delta.get("tool_calls") or []]
+    assert got == {"content": whole.content, "reasoning_content": whole.reasoning_content,
+                   "calls": [c.function.arguments for c in whole.tool_calls]}
+
+
 # ---- AsyncEngine over a scripted engine ---------------------------------------
 
 class ScriptedEngine:

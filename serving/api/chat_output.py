@@ -119,7 +119,9 @@ def message_fields(text: str, parsing: ChatParsing) -> dict:
     content = s.content
     if s.calls and not content.strip():
         content = None  # OpenAI's shape of a reply that only calls tools
-    return dict(content=content, reasoning_content=s.reasoning if s.reasoning_seen else None,
+    elif s.reasoning_seen and not content:
+        content = None  # vLLM's reasoning parsers: no content is None, not ""
+    return dict(content=content, reasoning_content=s.reasoning or None,
                 tool_calls=[tool_call(*c) for c in s.calls])
 
 
@@ -135,7 +137,13 @@ class ChatStream:
         s = split(text, self.parsing, final)
         reasoning = s.reasoning[self.reasoning:]
         content = s.content[self.content:]
-        self.reasoning, self.content = len(s.reasoning), len(s.content)
+        # Whitespace is held until other content follows, or the end: a reply whose
+        # content is only whitespace around tool calls has none (message_fields)
+        if content.strip() if not final else not (s.calls and not s.content.strip()):
+            self.content = len(s.content)
+        else:
+            content = ""
+        self.reasoning = len(s.reasoning)
         calls = [DeltaToolCall(index=i, id=c.id, function=c.function)
                  for i, c in enumerate((tool_call(*x) for x in s.calls[self.calls:]),
                                        start=self.calls)]
