@@ -80,6 +80,29 @@ def test_tool_calls_are_read_whole_and_streamed(parser, call, args):
         assert got["content"] == fields["content"] and got["calls"] == [("get_weather", args)] * 2
 
 
+@pytest.mark.parametrize("schema, value", [
+    ({"type": "string"}, "12345"),
+    ({"anyOf": [{"type": "string"}, {"type": "null"}]}, "12345"),  # pydantic's Optional[str]
+    ({"type": ["string", "null"]}, "12345"),
+    ({"enum": ["12345", "x"]}, "12345"),  # no type: text
+    (None, "12345"),  # a parameter the tool does not declare: text
+    ({"type": "integer"}, 12345),
+    ({"type": "number"}, 12345),
+    ({"anyOf": [{"type": "null"}, {"type": "boolean"}]}, "12345"),  # not a boolean: text
+    ({"type": "object"}, 12345),  # JSON
+])
+def test_qwen3_coder_types_a_parameter_as_vllm_does(schema, value):
+    from serving.api import tool_parsers
+
+    properties = {} if schema is None else {"zip": schema}
+    tools = {"lookup": {"name": "lookup", "parameters": {"type": "object",
+                                                          "properties": properties}}}
+    block = ("<function=lookup>\n<parameter=zip>\n12345\n</parameter>\n"
+             "<parameter=flag>\nnull\n</parameter>\n</function>")
+    name, args = tool_parsers.parse_call("qwen3_coder", block, tools)
+    assert (name, json.loads(args)) == ("lookup", {"zip": value, "flag": None})
+
+
 def test_a_block_that_does_not_parse_stays_content():
     parsing = ChatParsing(tool_parser="hermes", tools=TOOLS_BY_NAME)
     text = "a <tool_call>{not json}</tool_call> b <tool_call>unclosed"
