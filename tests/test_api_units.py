@@ -207,6 +207,27 @@ def test_a_streamed_chat_reply_adds_up_to_the_whole_one(tok, reply, reasoning, t
                    "calls": [c.function.arguments for c in whole.tool_calls]}
 
 
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stream_holds_back_only_what_a_stop_string_would_cut(tok, include):
+    """A stop string's possible start is held back unless the stop string stays in the
+    output; the streamed text adds up to the whole either way."""
+    from serving.api import render
+    from serving.api.prepare import Job, Prompt
+
+    params = SamplingParams(max_tokens=64, stop=["xyz"], include_stop_str_in_output=include)
+    reason, stop_reason, text, ids = _stop_run(tok, "abc xy abxyz tail", params)
+    job = Job(0, Prompt([5]), params)
+    r = render.StreamRenderer(False, "id", "m", [job], tok)
+    sent = []
+    for k, t in enumerate(ids):
+        out = RequestOutput("r", [5], ids[:k + 1], [t], k + 1 == len(ids), finish_reason=reason
+                            if k + 1 == len(ids) else None, stop_reason=stop_reason)
+        sent.append("".join(json.loads(e)["choices"][0]["text"] for e in r.update(0, out)))
+    assert "".join(sent) == text == ("abc xy abxyz" if include else "abc xy ab")
+    before_last = "".join(sent[:-1])
+    assert before_last == ("abc xy abxy" if include else "abc xy ab")
+
+
 # ---- AsyncEngine over a scripted engine ---------------------------------------
 
 class ScriptedEngine:

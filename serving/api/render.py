@@ -137,7 +137,11 @@ def chat_response(request_id: str, model: str, jobs: list[Job], outs: list[Reque
 
 
 def _holdback(job: Job) -> int:
-    """Characters that may be the start of a stop string."""
+    """Characters that may be the start of a stop string, held back until the next
+    token shows whether it ends there; none when the stop string stays in the output
+    (the text up to its end is the reply's either way)."""
+    if job.params.include_stop_str_in_output:
+        return 0
     return max((len(s) for s in job.params.stop), default=1) - 1
 
 
