@@ -240,18 +240,24 @@ def _nested(levels):
     return value
 
 
-class _DeepJSON(BaseHTTPRequestHandler):
-    """Answers anything with JSON nested too deep to parse."""
+def _one_answer(body: bytes) -> HTTPServer:
+    """A server that answers one request, GET or POST, with ``body``."""
+    class Handler(BaseHTTPRequestHandler):
+        def answer(self):
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
 
-    def do_GET(self):
-        body = b"[" * 100_000
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        do_GET = do_POST = answer
 
-    def log_message(self, *args):
-        pass
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.handle_request, daemon=True).start()
+    return server
 
 
 def test_json_nested_too_deep_is_bad_json_on_either_side(server):
@@ -264,8 +270,7 @@ def test_json_nested_too_deep_is_bad_json_on_either_side(server):
     assert r.status == 400 and "bad JSON" in json.loads(r.read())["error"]
     assert _ping(conn) == 200
     conn.close()
-    deep = HTTPServer(("127.0.0.1", 0), _DeepJSON)
-    threading.Thread(target=deep.handle_request, daemon=True).start()
+    deep = _one_answer(b"[" * 100_000)
     try:
         with pytest.raises(HandshakeError, match="recursion"):
             exchange(deep.server_address, hello("client"), SECRET)
@@ -274,25 +279,9 @@ def test_json_nested_too_deep_is_bad_json_on_either_side(server):
     assert accepted == []
 
 
-class _HugeAnswer(BaseHTTPRequestHandler):
-    """Answers any POST with a well-formed JSON object of 2 MiB."""
-
-    def do_POST(self):
-        self.rfile.read(int(self.headers["Content-Length"]))
-        body = json.dumps({"items": [], "pad": "a" * (2 << 20)}).encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
-
-
 def test_an_answer_over_the_bound_is_not_read_whole(monkeypatch):
     monkeypatch.setattr(handshake, "MAX_ANSWER", 1 << 20)
-    huge = HTTPServer(("127.0.0.1", 0), _HugeAnswer)
-    threading.Thread(target=huge.handle_request, daemon=True).start()
+    huge = _one_answer(json.dumps({"items": [], "pad": "a" * (2 << 20)}).encode())
     try:
         with pytest.raises(HandshakeError, match=f"an answer over {1 << 20} bytes"):
             handshake.claim(huge.server_address, SECRET, "lease", "agent", None)
