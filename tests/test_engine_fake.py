@@ -194,6 +194,25 @@ def fill_as_a_transfer(engine, prompt, blocks, slot, skip=0):
                                kv.reshape(-1, BLOCK)[skip:], slot, h)
 
 
+def test_an_unconfirmed_transfer_holds_no_waiting_request_back(engine):
+    """lpm keeps a request waiting while another computes the prefix it would hit; a
+    transfer whose bytes landed unconfirmed computes none, so a request sharing its
+    first block is admitted at the next step, not after the transfer's whole decode."""
+    p = prompts(1, seed=8, lo=3 * BLOCK)[0][:3 * BLOCK]
+    rid = engine.add_remote_request(p, reference_next(p, VOCAB), GREEDY)
+    [(_, blocks, slot, shared, _)] = engine.reserve_transfers()
+    fill_as_a_transfer(engine, p, blocks, slot, skip=shared)
+    engine.finish_transfer(rid, ok=True, confirmed=False)
+    other = engine.add_request(p[:BLOCK] + [50, 51, 52], SamplingParams(max_tokens=2))
+    engine.step()
+    assert engine.requests[other].num_computed_tokens > 0
+    engine.confirm_transfer(rid)
+    done = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert done[rid].token_ids == reference_greedy(p, 24, VOCAB)
+
+
 def test_transfer_target_filled_then_decoded(engine):
     """The disaggregated decode side: reserve memory, fill it outside the step
     programs (as a transfer would), then decode from it. With prefix caching the same

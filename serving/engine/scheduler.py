@@ -338,10 +338,13 @@ class Scheduler:
         cached yet (a step scheduled in this pass caches them only for the next pass). A
         waiting request that starts with one of them waits until they are, then hits
         them all, instead of computing the same prefix beside it; the wait ends when that
-        prompt's last chunk is scheduled, whatever `MAX_PASSED` says. None under "fcfs"."""
+        prompt's last chunk is scheduled, whatever `MAX_PASSED` says. A transfer whose
+        bytes landed unconfirmed computes no prefix (its blocks are cached once it is
+        confirmed), so nothing waits for it. None under "fcfs"."""
         if not self.longest_prefix_first:
             return None
         return {self._first_key(r) for r in self.running if not r.num_cached_tokens
+                and not r.transfer_unconfirmed
                 and r.num_registered_blocks < r.num_prompt_tokens // self.block_size} - {None}
 
     def _first_key(self, req: Request) -> bytes | None:
