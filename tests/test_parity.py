@@ -120,7 +120,7 @@ COMPLETIONS = {
     "logprobs 0": {"prompt": "Hello", "logprobs": 0, **GREEDY},
     "logprobs 1": {"prompt": "Hello", "logprobs": 1, **GREEDY},
     "logprobs 5": {"prompt": "Hello", "logprobs": 5, **GREEDY},
-    "echo": {"prompt": "Echo me", "echo": True, "logprobs": 1, **GREEDY},
+    "echo": {"prompt": "Echo me", "echo": True, **GREEDY},
     "token ids": {"prompt": [5, 6, 7, 8, 9], **GREEDY},
     "several prompts": {"prompt": ["one", "two three"], **GREEDY},
     "lists of ids": {"prompt": [[5, 6], [7, 8, 9]], **GREEDY},
