@@ -62,12 +62,19 @@ def _wait(proc, url, timeout=600):
 @pytest.fixture(scope="module")
 def all_servers(tmp_path_factory):
     """The aggregated server, the disaggregated one, and a disaggregated one whose
-    workers draft with the MTP head (``SPEC``), started together: name -> (process, url)."""
+    workers draft with the MTP head (``SPEC``): name -> (process, url).
+
+    The aggregated server starts first, alone; the two disaggregated stacks start once it
+    is up. Their workers run the same engine flags, so the step programs the aggregated
+    server compiled are in the session's compilation cache by then and are loaded, not
+    compiled again by each of the four workers at once (only the drafting workers' own
+    programs are compiled)."""
     logs = tmp_path_factory.mktemp("parity")
-    started = {"aggregated": _start("serving.api", open(logs / "aggregated.log", "w")),
-               "disaggregated": _start("serving", open(logs / "launcher.log", "w")),
-               "drafting": _start("serving", open(logs / "drafting.log", "w"), SPEC)}
+    started = {"aggregated": _start("serving.api", open(logs / "aggregated.log", "w"))}
     try:
+        _wait(*started["aggregated"])
+        started["disaggregated"] = _start("serving", open(logs / "launcher.log", "w"))
+        started["drafting"] = _start("serving", open(logs / "drafting.log", "w"), SPEC)
         for proc, url in started.values():
             _wait(proc, url)
         yield started
