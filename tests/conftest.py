@@ -28,3 +28,27 @@ if jax.__version_info__ >= (0, 11):
     # moved 1e-4 -> 1.6e-4 with it).
     os.environ.setdefault("NPROC", "8")
 sys.path.insert(0, os.path.dirname(__file__))
+
+
+def pytest_collection_finish(session):
+    """Start the host-device children of the collected modules that name them
+    (``AHEAD_CHILDREN``: argument tuples of the module run as a script) ahead, in the order
+    the modules run, at the lowest CPU priority (``host_devices.Ahead``)."""
+    if session.config.option.collectonly or "PYTEST_XDIST_WORKER" in os.environ:
+        return  # (an xdist worker collects every module but runs only some)
+    from host_devices import AHEAD
+
+    jobs, seen = [], set()
+    for item in session.items:
+        module = getattr(item, "module", None)
+        if module is None or module.__name__ in seen:
+            continue
+        seen.add(module.__name__)
+        jobs += [(module.__file__, tuple(args)) for args in getattr(module, "AHEAD_CHILDREN", ())]
+    AHEAD.submit(jobs)
+
+
+def pytest_sessionfinish(session):
+    from host_devices import AHEAD
+
+    AHEAD.close()

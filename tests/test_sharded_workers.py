@@ -110,6 +110,11 @@ def test_greedy_tokens_across_meshes_equal_single_device(stack, reference, recor
 CACHE_MESHES = {"tp2": (1, 2), "ep2": (2, 1), "ep2,tp2": (2, 2)}  # (ep, tp)
 
 
+# The session starts the child ahead, at the lowest CPU priority, while earlier modules
+# run (conftest, ``host_devices.Ahead``); the fixture takes it over.
+AHEAD_CHILDREN = [()]
+
+
 @pytest.fixture(scope="module")
 def cache_records():
     return child_records(__file__)

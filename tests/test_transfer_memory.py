@@ -88,6 +88,11 @@ def test_cpu_does_not_donate_into_dlpack_imported_memory():
 SHARDED_MESHES = {"tp2": (1, 2), "ep2": (2, 1), "ep2,tp2": (2, 2)}  # (expert, tensor)
 
 
+# The session starts the child ahead, at the lowest CPU priority, while earlier modules
+# run (conftest, ``host_devices.Ahead``); the fixture takes it over.
+AHEAD_CHILDREN = [()]
+
+
 @pytest.fixture(scope="module")
 def sharded_records():
     return child_records(__file__, timeout=300)
