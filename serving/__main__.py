@@ -231,13 +231,6 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def main(argv=None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse(argv)  # before the heavy imports: --help and bad flags answer at once
-    import uvicorn
-
-    from serving.api.app import build_app
-    from serving.api.server import api_key, model_root, server_options, uvicorn_config
-    from serving.api.text import Tokenizer, find_tokenizer
-    from serving.router import Router
-
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s router %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per worker poll otherwise
@@ -251,6 +244,15 @@ def main(argv=None) -> None:
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     stopping, failure = threading.Event(), []
     try:
+        # Imported once the workers are starting: their start-up overlaps these ~6 s of
+        # CPU (JAX, transformers, torch) instead of waiting for them.
+        import uvicorn
+
+        from serving.api.app import build_app
+        from serving.api.server import api_key, model_root, server_options, uvicorn_config
+        from serving.api.text import Tokenizer, find_tokenizer
+        from serving.router import Router
+
         log.info("starting %d prefill and %d decode workers", len(prefill), len(decode))
         wait_ready(list(workers.procs.values()), prefill + decode, args.startup_timeout,
                    shared_secret.header(secret))
