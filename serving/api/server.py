@@ -95,12 +95,13 @@ def uvicorn_config(app, args, **kw):
 
 
 def main(args) -> None:
-    """Serve until stopped, for flags parsed by `parser()`."""
-    import uvicorn
+    """Serve until stopped, for flags parsed by `parser()`; the process exits when its
+    engine fails (``serving.engine_exit``)."""
+    from serving.engine_exit import serve
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app, _ = build(args)
+    app, engine = build(args)
     log.info("serving %s on http://%s:%d", args.served_model_name or args.model or args.model_tag,
              args.host, args.port)
-    uvicorn.Server(uvicorn_config(app, args)).run()
+    serve(uvicorn_config(app, args), engine)

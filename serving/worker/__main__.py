@@ -94,43 +94,21 @@ def load_worker(a, secret: str, agent_type=None):
     return worker
 
 
-ENGINE_FAILED_EXIT = 3  # the status of a worker whose engine stopped (or hung) while serving
-ENGINE_FAILED_GRACE = 2.0  # seconds its requests' errors have to reach the router first
-
-
 def serve(worker, app, a) -> None:
     """Serve ``app``, ``worker``'s HTTP API, until the process is stopped, then shut the
-    worker down; or until the worker's engine stops with an error or hangs
-    (``AsyncEngine.error``): then, after ``ENGINE_FAILED_GRACE`` seconds, the process exits
-    with status ``ENGINE_FAILED_EXIT``, so that a supervisor (``python -m serving``)
-    restarts it instead of keeping a worker that can only answer 503."""
-    import threading
-
+    worker down; a worker whose engine fails exits instead (``serving.engine_exit``), so
+    that the launcher restarts it."""
     import uvicorn
 
+    from serving.engine_exit import serve as serve_while_engine_lives
     from serving.messages import WORKER_IDLE_SECONDS
 
-    server = uvicorn.Server(uvicorn.Config(app, host=a.host, port=a.port, log_level="warning",
-                                           timeout_keep_alive=WORKER_IDLE_SECONDS))
-    failed = threading.Event()
-
-    def watch():
-        while not server.should_exit:
-            time.sleep(0.5)
-            if worker.engine.error is not None:
-                log.error("the engine stopped (%r): exiting in %.0f s", worker.engine.error,
-                          ENGINE_FAILED_GRACE)
-                failed.set()
-                time.sleep(ENGINE_FAILED_GRACE)
-                server.should_exit = True
-
-    threading.Thread(target=watch, name="engine-exit", daemon=True).start()
     try:
-        server.run()
+        serve_while_engine_lives(uvicorn.Config(app, host=a.host, port=a.port,
+                                                log_level="warning",
+                                                timeout_keep_alive=WORKER_IDLE_SECONDS),
+                                 worker.engine)
     finally:
-        if failed.is_set():  # a hung engine thread may never join: no orderly shutdown
-            logging.shutdown()
-            os._exit(ENGINE_FAILED_EXIT)
         worker.shutdown()
 
 

@@ -1,0 +1,59 @@
+"""A server process whose engine stops while serving exits (status 3) instead of
+answering 503 for good, as vLLM's server does on a dead engine: a worker, so that the
+launcher restarts it (``tests/test_parity.py``: the restart of a worker that exits), and
+the aggregated server, for its orchestrator. Each is one real tiny process with a route
+that crashes its engine (``fault_worker.py``, ``fault_server.py``)."""
+
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+import httpx
+
+from serving import secret as shared_secret
+from serving.engine_exit import ENGINE_FAILED_EXIT
+from serving.ports import free_port
+
+HERE = pathlib.Path(__file__).parent
+TINY = ["--model", "tiny", "--max-num-seqs", "1", "--max-num-batched-tokens", "16",
+        "--max-model-len", "32", "--block-size", "16", "--prefill-token-buckets", "16",
+        "--prefill-seq-buckets", "1", "--decode-seq-buckets", "1", "--log-level", "warning"]
+
+
+def _crash_and_wait_for_exit(script: str, flags: list[str], headers: dict, env: dict) -> int:
+    """Start ``script`` with ``flags``, wait for its health, crash its engine; the
+    process's exit status."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, str(HERE / script), "--port", str(port), *flags],
+                            start_new_session=True, env={**os.environ, **env})
+    try:
+        end = time.monotonic() + 600
+        while True:
+            assert proc.poll() is None, "the server died at start-up"
+            try:
+                if httpx.get(f"{url}/health", timeout=1, headers=headers).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < end, "the server is not ready"
+            time.sleep(0.5)
+        assert httpx.post(f"{url}/debug/crash", headers=headers, timeout=10).status_code == 200
+        return proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_worker_whose_engine_stops_exits_for_its_supervisor():
+    secret = shared_secret.generate()
+    assert _crash_and_wait_for_exit("fault_worker.py", ["--role", "decode", *TINY],
+                                    shared_secret.header(secret),
+                                    {shared_secret.ENV: secret}) == ENGINE_FAILED_EXIT
+
+
+def test_an_aggregated_server_whose_engine_stops_exits():
+    assert _crash_and_wait_for_exit("fault_server.py", TINY, {}, {}) == ENGINE_FAILED_EXIT
