@@ -183,6 +183,44 @@ def test_landed_bytes_enter_the_prefix_cache_only_once_confirmed():
         eng.close()
 
 
+@pytest.mark.parametrize("confirmed", [True, False])
+def test_a_request_done_before_its_bytes_are_confirmed_caches_them_once_they_are(confirmed):
+    """A short answer can end before its source confirms the bytes it decoded from: its
+    blocks wait for the word. Confirmed, they enter the prefix cache, so a follow-up
+    shares them; stale (aborted), they go back unregistered, and the follow-up pulls
+    every block. Either way every block and slot comes back."""
+    eng = make_engine(True, prefix_state_interval=2)
+
+    def pull(prompt):
+        rid = eng.add_remote_request(prompt, reference_next(prompt, VOCAB), GREEDY)
+        [(_, blocks, slot, shared, _)] = eng.reserve_transfers()
+        fill_as_a_transfer(eng, blocks=blocks, slot=slot, skip=shared, prompt=prompt)
+        return rid, shared
+
+    try:
+        p = tokens(20, seed=7)
+        rid, _ = pull(p)
+        eng.finish_transfer(rid, ok=True, confirmed=False)
+        done = {}
+        while eng.has_unfinished():
+            done.update((o.request_id, o) for o in eng.step() if o.finished)
+        assert done[rid].token_ids == reference_greedy(p, GREEDY.max_tokens, VOCAB)
+        assert eng.blocks.num_free < NUM_BLOCKS  # held for the source's word
+        if confirmed:
+            eng.confirm_transfer(rid)
+        else:
+            eng.abort(rid)  # the ack said stale
+        rid2, shared = pull(p)
+        assert (shared > 0) == confirmed
+        eng.finish_transfer(rid2, ok=True)
+        while eng.has_unfinished():
+            eng.step()
+        eng.fence.wait_all()
+        assert_all_free(eng)
+    finally:
+        eng.close()
+
+
 def test_the_second_prompt_off_a_shared_prefix_leaves_a_snapshot_where_they_part():
     """Snapshots every 8 blocks: a prompt of 5 shared blocks and its own tail leaves none
     at block 5, so the second prompt off the same 5 blocks matches them but restores

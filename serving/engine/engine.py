@@ -171,8 +171,11 @@ class Engine(RemoteMemory):
         return req.request_id
 
     def abort(self, request_id: str) -> RequestOutput | None:
+        """End a request; one that has finished, decoding from bytes its source has not
+        confirmed, gives its blocks back unregistered (``Scheduler.drop_unconfirmed``)."""
         req = self.requests.get(request_id)
         if req is None or req.is_finished:
+            self.scheduler.drop_unconfirmed(request_id)
             return None
         self.scheduler.finish(req, "abort")
         return self._finished(req)
@@ -183,6 +186,8 @@ class Engine(RemoteMemory):
         their content being in the old cache."""
         if self.has_unfinished():
             raise RuntimeError("swap_cache with requests in flight")
+        for request_id in list(self.scheduler.unconfirmed):  # their bytes are the old cache's
+            self.scheduler.drop_unconfirmed(request_id)
         if self.prefix is not None:
             self.prefix.clear()
         self.runner.swap_cache(cache)

@@ -88,8 +88,8 @@ class RemoteMemory:
 
     def confirm_transfer(self, request_id: str) -> None:
         """The source confirmed the landed bytes of a request `finish_transfer` started
-        unconfirmed (nothing to do if it has finished meanwhile)."""
-        req = self.requests.get(request_id)
+        unconfirmed; one that finished meanwhile has its blocks cached now."""
+        req = self.requests.get(request_id) or self.scheduler.unconfirmed.get(request_id)
         if req is not None:
             self.scheduler.confirm_transfer(req)
 

@@ -105,6 +105,10 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order
         self.transferring: dict[str, Request] = {}
+        # finished requests that decoded from landed bytes their source has yet to
+        # confirm: their blocks wait for its word, then enter the prefix cache
+        # (`confirm_transfer`) or go back unregistered (`drop_unconfirmed`)
+        self.unconfirmed: dict[str, Request] = {}
         # requests computed elsewhere, waiting (in arrival order) for memory to be
         # transferred into: they hold none, so they wait instead of being refused
         self.queued_transfers: deque[Request] = deque()
@@ -145,7 +149,13 @@ class Scheduler:
         transferring = req.status is Status.WAITING_FOR_TRANSFER
         req.status = Status.FINISHED
         req.epoch += 1
-        if not (req.hold_on_finish or transferring):
+        if req.transfer_unconfirmed and reason != "abort":
+            # a short answer can end before its source's word: its blocks wait for it
+            # (no hit needs its slot: a transfer brings the state)
+            self.unconfirmed[req.request_id] = req
+            self.free_memory([], req.slot)
+            req.slot = None
+        elif not (req.hold_on_finish or transferring):
             self.release(req)
 
     def release(self, req: Request) -> None:
@@ -230,8 +240,20 @@ class Scheduler:
 
     def confirm_transfer(self, req: Request) -> None:
         """The source confirmed the bytes `req` decodes from: its blocks register from
-        its next step on (or at its finish)."""
+        its next step on, or now if it has finished (then they go back, cached)."""
         req.transfer_unconfirmed = False
+        if self.unconfirmed.pop(req.request_id, None) is req:
+            if self.prefix is not None:
+                self.prefix.stage_blocks(req, req.num_computed_tokens)
+                self.prefix.commit()
+            self.release(req)
+
+    def drop_unconfirmed(self, request_id: str) -> None:
+        """A finished request's unconfirmed bytes will not be confirmed (stale, or its
+        source gone): its blocks go back unregistered."""
+        req = self.unconfirmed.pop(request_id, None)
+        if req is not None:
+            self.release(req)
 
     def abandon_transfer(self, req: Request) -> tuple[list[int], int | None]:
         """The transfer into `req`'s memory failed, and its bytes may still land
