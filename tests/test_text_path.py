@@ -40,6 +40,29 @@ def test_a_stop_string_ending_in_a_character_of_several_tokens_is_found(tok, sto
     assert (reason, stop_reason, out) == ("stop", stop, before)
 
 
+@pytest.mark.parametrize("text, stop, include, want", [
+    (" world", ["rld", " wo"], False, ("", " wo")),      # " world" is one token
+    (" this is", ["is", "th"], False, (" ", "th")),
+    (" world", [" world", "or"], True, (" wor", "or")),  # completes first, starts later
+    (" world", ["world", "wor"], True, (" wor", "wor")),  # one a prefix of the other
+])
+def test_the_stop_string_that_completes_first_wins(tok, text, stop, include, want):
+    """Several stop strings completing in one token: the cut is where text arriving a
+    character at a time would have stopped, whatever their order in ``stop``."""
+    params = SamplingParams(stop=stop, include_stop_str_in_output=include, max_tokens=64)
+    reason, stop_reason, out, _ = _stop_run(tok, text, params)
+    assert (reason, out, stop_reason) == ("stop", *want)
+
+
+def test_a_character_still_coming_is_no_replacement_character(tok):
+    """A stop string holding U+FFFD does not match the placeholder that decoding gives a
+    character whose bytes are still coming ("€" is three byte tokens)."""
+    assert len(tok.encode("€")) == 3
+    for stop in ("\ufffd", "a\ufffd"):
+        params = SamplingParams(stop=[stop], include_stop_str_in_output=True, max_tokens=64)
+        assert _stop_run(tok, "a€b ok", params)[:3] == (None, None, "a€b ok")
+
+
 def test_a_stop_token_ids_text_is_left_out_unless_asked(tok):
     """As vLLM: the token that stopped the request is not part of its text."""
     from serving.api.render import final_text

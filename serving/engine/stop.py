@@ -17,15 +17,20 @@ def check_stop(req: Request, config, tokenizer) -> tuple[str | None, int | str |
         # Decoding the whole output each token is quadratic in its length, but
         # only requests with stop strings pay it and it stays correct across
         # multi-token characters; incremental detokenization can replace it.
-        # a character still incomplete ("\ufffd" at the end) is not settled text: the
-        # token that completes it may complete a stop string ending in it
+        # A character still incomplete ("\ufffd" at the end) is not settled text: the
+        # token that completes it may complete a stop string ending in it, and only
+        # settled text is searched, so the placeholder itself never matches.
         seen = len(req.output_text.rstrip("\ufffd"))
         req.output_text = text = tokenizer.decode(req.output_token_ids)
-        for s in p.stop:
-            i = text.find(s, max(0, seen - len(s) + 1))
-            if i >= 0:
-                req.output_text = text[:i + len(s)] if p.include_stop_str_in_output else text[:i]
-                return "stop", s
+        settled = text.rstrip("\ufffd")
+        # the stop string that completes first wins (list order breaks ties), as text
+        # arriving a character at a time would have it
+        hits = [(i + len(s), k, i, s) for k, s in enumerate(p.stop)
+                if (i := settled.find(s, max(0, seen - len(s) + 1))) >= 0]
+        if hits:
+            _, _, i, s = min(hits)
+            req.output_text = text[:i + len(s)] if p.include_stop_str_in_output else text[:i]
+            return "stop", s
     if len(req.output_token_ids) >= p.max_tokens or req.num_known_tokens >= config.max_model_len:
         return "length", None
     return None, None
