@@ -213,6 +213,23 @@ def test_an_unconfirmed_transfer_holds_no_waiting_request_back(engine):
     assert done[rid].token_ids == reference_greedy(p, 24, VOCAB)
 
 
+def test_an_answer_done_before_its_bytes_word_holds_blocks_only_to_cache_them(engine):
+    """A request that finishes before its source confirms the landed bytes keeps its
+    blocks for the word only where a prefix cache would take them; without one they go
+    back at once (holding them would only take memory from running requests)."""
+    p = prompts(1, seed=9, lo=20)[0]
+    rid = engine.add_remote_request(p, reference_next(p, VOCAB), GREEDY)
+    [(_, blocks, slot, shared, _)] = engine.reserve_transfers()
+    fill_as_a_transfer(engine, p, blocks, slot, skip=shared)
+    engine.finish_transfer(rid, ok=True, confirmed=False)
+    while engine.has_unfinished():
+        engine.step()
+    engine.fence.wait_all()
+    assert (engine.blocks.num_free < NUM_BLOCKS) == (engine.prefix is not None)
+    engine.confirm_transfer(rid)
+    assert_all_free(engine)
+
+
 def test_transfer_target_filled_then_decoded(engine):
     """The disaggregated decode side: reserve memory, fill it outside the step
     programs (as a transfer would), then decode from it. With prefix caching the same

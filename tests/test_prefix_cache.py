@@ -221,6 +221,27 @@ def test_a_request_done_before_its_bytes_are_confirmed_caches_them_once_they_are
         eng.close()
 
 
+def test_a_request_id_waiting_for_its_bytes_word_is_not_taken_again():
+    """Its blocks wait under its id: a new request of that id is refused until the word
+    comes (else the word would confirm the new request's bytes)."""
+    eng = make_engine(True, prefix_state_interval=2)
+    try:
+        p = tokens(20, seed=8)
+        rid = eng.add_remote_request(p, reference_next(p, VOCAB), GREEDY)
+        [(_, blocks, slot, shared, _)] = eng.reserve_transfers()
+        fill_as_a_transfer(eng, blocks=blocks, slot=slot, skip=shared, prompt=p)
+        eng.finish_transfer(rid, ok=True, confirmed=False)
+        while eng.has_unfinished():
+            eng.step()
+        with pytest.raises(ValueError, match="duplicate request id"):
+            eng.add_remote_request(p, reference_next(p, VOCAB), GREEDY, request_id=rid)
+        eng.confirm_transfer(rid)
+        eng.fence.wait_all()
+        assert_all_free(eng)
+    finally:
+        eng.close()
+
+
 def test_the_second_prompt_off_a_shared_prefix_leaves_a_snapshot_where_they_part():
     """Snapshots every 8 blocks: a prompt of 5 shared blocks and its own tail leaves none
     at block 5, so the second prompt off the same 5 blocks matches them but restores

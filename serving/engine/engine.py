@@ -289,7 +289,7 @@ class Engine(RemoteMemory):
             raise ValueError("stop strings need a tokenizer")
         if request_id is None:
             request_id, self._next_id = f"req-{self._next_id}", self._next_id + 1
-        if request_id in self.requests:
+        if request_id in self.requests or request_id in self.scheduler.unconfirmed:
             raise ValueError(f"duplicate request id {request_id}")
         seed = params.seed if params.seed is not None else int(self._rng.integers(2**31))
         req = Request(request_id, prompt, params, seed)

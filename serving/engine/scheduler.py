@@ -149,9 +149,9 @@ class Scheduler:
         transferring = req.status is Status.WAITING_FOR_TRANSFER
         req.status = Status.FINISHED
         req.epoch += 1
-        if req.transfer_unconfirmed and reason != "abort":
+        if req.transfer_unconfirmed and reason != "abort" and self.prefix is not None:
             # a short answer can end before its source's word: its blocks wait for it
-            # (no hit needs its slot: a transfer brings the state)
+            # to be cached (no hit needs its slot: a transfer brings the state)
             self.unconfirmed[req.request_id] = req
             self.free_memory([], req.slot)
             req.slot = None
