@@ -20,12 +20,12 @@ ENGINE_FAILED_GRACE = 2.0  # seconds its requests' errors have to reach their cl
 
 def serve(config, engine) -> None:
     """Run the uvicorn server of ``config`` until the process is stopped (then return), or
-    until ``engine`` (an ``AsyncEngine``) fails: then exit the process. A hung engine
-    thread may never join, so that exit skips every orderly shutdown."""
+    until ``engine`` (an ``AsyncEngine``) fails: then exit the process from the watching
+    thread, skipping every orderly shutdown (a hung engine thread never joins, and the
+    server's own shutdown would wait for it)."""
     import uvicorn
 
     server = uvicorn.Server(config)
-    failed = threading.Event()
 
     def watch():
         while not server.should_exit:
@@ -33,12 +33,9 @@ def serve(config, engine) -> None:
             if engine.error is not None:
                 log.error("the engine stopped (%r): exiting in %.0f s", engine.error,
                           ENGINE_FAILED_GRACE)
-                failed.set()
                 time.sleep(ENGINE_FAILED_GRACE)
-                server.should_exit = True
+                logging.shutdown()
+                os._exit(ENGINE_FAILED_EXIT)
 
     threading.Thread(target=watch, name="engine-exit", daemon=True).start()
     server.run()
-    if failed.is_set():
-        logging.shutdown()
-        os._exit(ENGINE_FAILED_EXIT)

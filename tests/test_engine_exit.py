@@ -22,9 +22,10 @@ TINY = ["--model", "tiny", "--max-num-seqs", "1", "--max-num-batched-tokens", "1
         "--prefill-seq-buckets", "1", "--decode-seq-buckets", "1", "--log-level", "warning"]
 
 
-def _crash_and_wait_for_exit(script: str, flags: list[str], headers: dict, env: dict) -> int:
-    """Start ``script`` with ``flags``, wait for its health, crash its engine; the
-    process's exit status."""
+def _crash_and_wait_for_exit(script: str, flags: list[str], headers: dict, env: dict,
+                             route: str = "/debug/crash") -> tuple[int, float]:
+    """Start ``script`` with ``flags``, wait for its health, crash its engine (``route``);
+    the process's exit status and the seconds from the crash to the exit."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen([sys.executable, str(HERE / script), "--port", str(port), *flags],
@@ -40,8 +41,10 @@ def _crash_and_wait_for_exit(script: str, flags: list[str], headers: dict, env: 
                 pass
             assert time.monotonic() < end, "the server is not ready"
             time.sleep(0.5)
-        assert httpx.post(f"{url}/debug/crash", headers=headers, timeout=10).status_code == 200
-        return proc.wait(timeout=120)
+        assert httpx.post(f"{url}{route}", headers=headers, timeout=10).status_code == 200
+        t = time.monotonic()
+        status = proc.wait(timeout=120)
+        return status, time.monotonic() - t
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -50,10 +53,20 @@ def _crash_and_wait_for_exit(script: str, flags: list[str], headers: dict, env: 
 
 def test_a_worker_whose_engine_stops_exits_for_its_supervisor():
     secret = shared_secret.generate()
-    assert _crash_and_wait_for_exit("fault_worker.py", ["--role", "decode", *TINY],
-                                    shared_secret.header(secret),
-                                    {shared_secret.ENV: secret}) == ENGINE_FAILED_EXIT
+    status, _ = _crash_and_wait_for_exit("fault_worker.py", ["--role", "decode", *TINY],
+                                         shared_secret.header(secret),
+                                         {shared_secret.ENV: secret})
+    assert status == ENGINE_FAILED_EXIT
 
 
 def test_an_aggregated_server_whose_engine_stops_exits():
-    assert _crash_and_wait_for_exit("fault_server.py", TINY, {}, {}) == ENGINE_FAILED_EXIT
+    assert _crash_and_wait_for_exit("fault_server.py", TINY, {}, {})[0] == ENGINE_FAILED_EXIT
+
+
+def test_an_aggregated_server_whose_engine_hangs_exits_within_its_bound():
+    """A hung step (past a 2 s iteration timeout) ends the process within seconds: the
+    exit does not wait for the server's orderly shutdown, which would wait 30 s for the
+    hung engine thread to join."""
+    status, seconds = _crash_and_wait_for_exit(
+        "fault_server.py", [*TINY, "--engine-iteration-timeout", "2"], {}, {}, "/debug/hang")
+    assert status == ENGINE_FAILED_EXIT and seconds < 20
