@@ -242,10 +242,9 @@ class Scheduler:
         """The source confirmed the bytes `req` decodes from: its blocks register from
         its next step on, or now if it has finished (then they go back, cached)."""
         req.transfer_unconfirmed = False
-        if self.unconfirmed.pop(req.request_id, None) is req:
-            if self.prefix is not None:
-                self.prefix.stage_blocks(req, req.num_computed_tokens)
-                self.prefix.commit()
+        if self.unconfirmed.pop(req.request_id, None) is req:  # (held only with a prefix cache)
+            self.prefix.stage_blocks(req, req.num_computed_tokens)
+            self.prefix.commit()
             self.release(req)
 
     def drop_unconfirmed(self, request_id: str) -> None:
