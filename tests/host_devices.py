@@ -15,9 +15,11 @@ import threading
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def xla_flags(devices: int = 8) -> str:
-    """This process's XLA flags with ``devices`` host devices."""
-    return f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
+def xla_flags(devices: int = 8, environ=None) -> str:
+    """The XLA flags of ``environ`` (this process's by default) with ``devices`` host
+    devices."""
+    base = (os.environ if environ is None else environ).get("XLA_FLAGS", "")
+    return f"{base} --xla_force_host_platform_device_count={devices}"
 
 
 def start_child(script: str, *args: str) -> subprocess.Popen:
@@ -36,8 +38,7 @@ def start_child(script: str, *args: str) -> subprocess.Popen:
 
 
 def _start(script: str, args: tuple[str, ...], environ: dict, nice: int = 0) -> subprocess.Popen:
-    env = dict(environ, XLA_FLAGS=f"{environ.get('XLA_FLAGS', '')} "
-               "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0",
+    env = dict(environ, XLA_FLAGS=xla_flags(environ=environ) + " --xla_backend_optimization_level=0",
                JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
     out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
     niced = ["nice", "-n", str(nice)] if nice else []  # nice execs python: proc.pid is its pid
