@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 import json
 import math
+import ssl
 import time
 
 import httpx
@@ -203,24 +204,42 @@ async def run_level(url: str, model: str, data, concurrency: int, ignore_eos: bo
                     ) -> tuple[list[Result], float, dict]:
     """Request i is sent `sent_at[i]` seconds after the start (default: all at once), and
     waits there while `concurrency` are in flight; (results in data order, seconds, server
-    figures: peak memory in use and the transfer and device counters' increase)."""
-    sem = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0, connect=30.0),
-                                 limits=httpx.Limits(max_connections=None)) as client:
+    figures: peak memory in use and the transfer and device counters' increase).
+
+    Each of the `concurrency` places in flight has its own client of one connection:
+    httpx's pool walks every connection it holds on each request's start and end
+    (``_assign_requests_to_connections``, a socket poll per idle connection), so one pool
+    of 256 streams spent ~40 % of this process's time there and, when many requests ended
+    at once, sent their successors seconds late (bench/RESULTS.md, "The load generator's
+    own pace")."""
+    timeout = httpx.Timeout(3600.0, connect=30.0)
+    tls = ssl.create_default_context()  # one for all: each costs milliseconds to build
+    places: asyncio.Queue = asyncio.Queue()
+    for _ in range(concurrency):
+        places.put_nowait(httpx.AsyncClient(timeout=timeout, verify=tls,
+                                            limits=httpx.Limits(max_connections=1)))
+    async with httpx.AsyncClient(timeout=timeout) as client:
         before = await scrape(client, url)
         done = asyncio.Event()
         watcher = asyncio.create_task(watch(client, url, done))
         with tqdm(total=len(data), desc=desc, unit="req", disable=not desc) as bar:
             async def guarded(prompt, max_tokens, at):
                 await asyncio.sleep(at - (time.perf_counter() - t0))
-                async with sem:
-                    r = await one(client, url, model, prompt, max_tokens, ignore_eos, backend)
+                place = await places.get()
+                try:
+                    r = await one(place, url, model, prompt, max_tokens, ignore_eos, backend)
+                finally:
+                    places.put_nowait(place)
                 bar.update(1)
                 return r
 
             t0 = time.perf_counter()
-            results = await asyncio.gather(*(guarded(p, o, at) for (p, o), at in
-                                             zip(data, sent_at or [0.0] * len(data))))
+            try:
+                results = await asyncio.gather(*(guarded(p, o, at) for (p, o), at in
+                                                 zip(data, sent_at or [0.0] * len(data))))
+            finally:
+                while not places.empty():
+                    await places.get_nowait().aclose()
             duration = time.perf_counter() - t0
         done.set()
         server = await watcher
