@@ -42,20 +42,26 @@ from collections.abc import AsyncIterator, Callable
 
 from serving.engine import Engine, RequestOutput, SamplingParams
 from serving.engine.connector import EngineConnector
+from serving.engine.outputs import joined
 from serving.errors import EngineDead, EngineOverloaded, EngineStalled
 
 log = logging.getLogger(__name__)
 
 
 class RequestStream:
-    """Outputs of one request, in order; async-iterable until it finishes."""
+    """Outputs of one request, in order; async-iterable until it finishes. Outputs that
+    arrive before the consumer takes the last one are joined into one (as vLLM's
+    RequestOutputCollector joins them): a server loop that falls behind the engine
+    then handles fewer, larger outputs instead of a growing backlog of one-token ones,
+    and each token still leaves at the first chance."""
 
     def __init__(self, owner: "AsyncEngine", request_id: str):
         self.request_id = request_id
         self.finished = False
         self.admitted = False  # set by the engine thread once the engine took the request
         self._owner = owner
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self._pending: deque = deque()  # outputs (each joined with any after it) and errors
+        self._ready = asyncio.Event()
 
     def __aiter__(self):
         return self
@@ -63,7 +69,10 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        item = await self._queue.get()
+        while not self._pending:
+            self._ready.clear()
+            await self._ready.wait()
+        item = self._pending.popleft()
         if isinstance(item, BaseException):
             self.finished = True
             raise item
@@ -77,7 +86,12 @@ class RequestStream:
             self._owner._send(("abort", self.request_id))
 
     def _put(self, item) -> None:
-        self._queue.put_nowait(item)
+        last = self._pending[-1] if self._pending else None
+        if isinstance(item, RequestOutput) and isinstance(last, RequestOutput):
+            self._pending[-1] = joined(last, item)
+        else:
+            self._pending.append(item)
+        self._ready.set()
 
 
 class AsyncEngine:

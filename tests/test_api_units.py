@@ -161,17 +161,53 @@ def run(coro_fn, engine: ScriptedEngine, **kw):
 def test_generate_streams_tokens_in_order():
     async def go(ae):
         outs = [o async for o in ae.generate("a", [1, 2], SamplingParams(max_tokens=5))]
-        return [o.new_token_ids[0] for o in outs], outs[-1]
+        return [t for o in outs for t in o.new_token_ids], outs[-1]
     tokens, last = run(go, ScriptedEngine())
     assert tokens == [0, 1, 2, 3, 4]
     assert last.finished and last.token_ids == [0, 1, 2, 3, 4]
 
 
 def test_outputs_are_detached_copies():
+    """Each output keeps the tokens it had when it left (the engine's list grows on)."""
     async def go(ae):
-        return [o async for o in ae.generate("a", [1], SamplingParams(max_tokens=3))]
+        return [o async for o in ae.generate("a", [1], SamplingParams(max_tokens=40))]
     outs = run(go, ScriptedEngine())
-    assert [o.token_ids for o in outs] == [[0], [0, 1], [0, 1, 2]]
+    assert len(outs) > 1
+    so_far = []
+    for o in outs:
+        so_far += o.new_token_ids
+        assert o.token_ids == so_far
+
+
+def test_outputs_a_slow_reader_has_not_taken_are_joined():
+    """A reader that falls behind gets one output for everything that arrived since its
+    last read (the latest's state, every new token), and an error after outputs comes
+    after them."""
+    from serving.async_engine import RequestStream
+    engine = ScriptedEngine()
+
+    async def slow(ae):
+        stream = await ae.add("a", [1], SamplingParams(max_tokens=6))
+        for _ in range(300):  # the engine runs the whole request before the first read
+            if not engine.running and not engine.waiting:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)  # its last outputs reach this loop
+        return [o async for o in stream]
+    outs = run(slow, engine)
+    assert [(o.new_token_ids, o.token_ids, o.finished) for o in outs] == [
+        ([0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5], True)]
+
+    async def failing():
+        stream = RequestStream(None, "b")
+        for n in (1, 2):
+            stream._put(ScriptedEngine._out("b", list(range(n)), [n - 1], None))
+        stream._put(EngineDead("device lost"))
+        got = [(await stream.__anext__()).new_token_ids]
+        with pytest.raises(EngineDead, match="device lost"):
+            await stream.__anext__()
+        return got
+    assert asyncio.run(failing()) == [[0, 1]]
 
 
 def test_bad_request_raises_at_add_and_others_continue():

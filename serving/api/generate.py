@@ -5,7 +5,6 @@ the client goes away or anything fails.
 
 import asyncio
 import contextlib
-import dataclasses
 from collections.abc import AsyncIterator
 
 from fastapi import Request
@@ -16,6 +15,7 @@ from serving.api.errors import APIError
 from serving.api.metrics import Metrics, RequestTimer
 from serving.api.prepare import Job
 from serving.engine import RequestOutput
+from serving.engine.outputs import joined
 
 
 async def submit(backend: Backend, request_id: str, jobs: list[Job]) -> list[RequestStream]:
@@ -69,7 +69,7 @@ async def merged(streams: list[RequestStream], timers: list[RequestTimer]
             arrived = [await queue.get()]
             while not queue.empty():
                 arrived.append(queue.get_nowait())
-            joined: dict[int, RequestOutput] = {}
+            latest: dict[int, RequestOutput] = {}
             error = None
             for i, out in arrived:
                 if isinstance(out, Exception):
@@ -78,8 +78,8 @@ async def merged(streams: list[RequestStream], timers: list[RequestTimer]
                 timers[i].output(out)
                 if out.finished:
                     remaining -= 1
-                joined[i] = _join(joined[i], out) if i in joined else out
-            for i, out in joined.items():
+                latest[i] = joined(latest[i], out) if i in latest else out
+            for i, out in latest.items():
                 yield i, out
             if isinstance(error, EngineDead):
                 raise APIError(str(error), status=500) from error
@@ -101,18 +101,12 @@ async def every(outputs: AsyncIterator[tuple[int, RequestOutput]], interval: int
     async for i, out in outputs:
         held = pending.pop(i, None)
         if held is not None:
-            out = _join(held, out)
+            out = joined(held, out)
         if out.finished or i not in started or len(out.new_token_ids) >= interval:
             started.add(i)
             yield i, out
         else:
             pending[i] = out
-
-
-def _join(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
-    """One output for two consecutive ones of a request: the later one's state with the
-    new tokens of both."""
-    return dataclasses.replace(later, new_token_ids=earlier.new_token_ids + later.new_token_ids)
 
 
 async def close_all(streams: list[RequestStream]) -> None:

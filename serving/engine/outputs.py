@@ -1,5 +1,6 @@
 """What the engine returns to callers: plain host data, no JAX arrays."""
 
+import dataclasses
 from dataclasses import dataclass, field
 
 
@@ -18,3 +19,9 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied (first admission)
     # arrival, first_token, finish (perf_counter s); queue_s: arrival to first admission
     metrics: dict = field(default_factory=dict)
+
+
+def joined(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """One output for two consecutive ones of a request: the later one's state with the
+    new tokens of both (its token ids, text and logprobs are already cumulative)."""
+    return dataclasses.replace(later, new_token_ids=earlier.new_token_ids + later.new_token_ids)
