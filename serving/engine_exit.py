@@ -26,16 +26,20 @@ def serve(config, engine) -> None:
     import uvicorn
 
     server = uvicorn.Server(config)
-
-    def watch():
-        while not server.should_exit:
-            time.sleep(0.5)
-            if engine.error is not None:
-                log.error("the engine stopped (%r): exiting in %.0f s", engine.error,
-                          ENGINE_FAILED_GRACE)
-                time.sleep(ENGINE_FAILED_GRACE)
-                logging.shutdown()
-                os._exit(ENGINE_FAILED_EXIT)
-
-    threading.Thread(target=watch, name="engine-exit", daemon=True).start()
+    threading.Thread(target=watch, args=(server, engine), name="engine-exit",
+                     daemon=True).start()
     server.run()
+
+
+def watch(server, engine) -> None:
+    """Exit the process once ``engine`` fails while ``server`` serves. A stopping server
+    shuts its engine down (which sets ``engine.error`` too) only after it set
+    ``should_exit``, so an error read before ``should_exit`` is a failure, not the stop."""
+    while not server.should_exit:
+        time.sleep(0.5)
+        error = engine.error
+        if error is not None and not server.should_exit:
+            log.error("the engine stopped (%r): exiting in %.0f s", error, ENGINE_FAILED_GRACE)
+            time.sleep(ENGINE_FAILED_GRACE)
+            logging.shutdown()
+            os._exit(ENGINE_FAILED_EXIT)

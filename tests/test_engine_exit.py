@@ -70,3 +70,37 @@ def test_an_aggregated_server_whose_engine_hangs_exits_within_its_bound():
     status, seconds = _crash_and_wait_for_exit(
         "fault_server.py", [*TINY, "--engine-iteration-timeout", "2"], {}, {}, "/debug/hang")
     assert status == ENGINE_FAILED_EXIT and seconds < 20
+
+
+def test_a_server_told_to_stop_does_not_exit_as_failed(monkeypatch):
+    """Ctrl-C stops the server, whose shutdown then stops the engine (setting its error):
+    that stop is no failure, so the watch neither logs one nor exits with
+    ENGINE_FAILED_EXIT; an engine that fails while the server serves still does."""
+    import threading
+    from types import SimpleNamespace
+
+    from serving import engine_exit
+    from serving.errors import EngineDead
+
+    exits = []
+    monkeypatch.setattr(engine_exit.os, "_exit", exits.append)
+    monkeypatch.setattr(engine_exit, "ENGINE_FAILED_GRACE", 0.0)
+
+    def run_watch(stopping: bool) -> list:
+        exits.clear()
+        server, engine = SimpleNamespace(should_exit=False), SimpleNamespace(error=None)
+        thread = threading.Thread(target=engine_exit.watch, args=(server, engine))
+        thread.start()
+        server.should_exit = stopping  # the order of a stop: should_exit, then the error
+        engine.error = EngineDead("engine shut down")
+        if not stopping:
+            for _ in range(40):
+                if exits:
+                    break
+                time.sleep(0.05)
+            server.should_exit = True  # the patched exit returns: end the watch
+        thread.join(timeout=5)
+        return list(exits)
+
+    assert run_watch(stopping=True) == []
+    assert run_watch(stopping=False) == [ENGINE_FAILED_EXIT]
