@@ -275,3 +275,18 @@ def test_the_chat_backend_streams_through_chat_completions():
     for r in results:
         assert r.ok and r.output_tokens == 5 and r.text, r.error
         assert r.prompt_tokens > 12  # the template's role markers
+
+
+def test_api_pace_streams_every_token_of_every_request():
+    """bench.api_pace's stand-in engine behind the real app, driven by run_level: every
+    request ends with its tokens, and the run takes at least its floor (the stand-in's
+    own steps), so its table compares like with like."""
+    from argparse import Namespace
+
+    from bench import api_pace
+
+    args = Namespace(concurrency=4, num_prompts=10, input_len=8, output_len=5)
+    r = api_pace.one_level(args, step_ms=5.0)
+    assert r["ok"] == "10/10" and r["errors"] == []
+    assert r["tokens"] * r["duration"] == pytest.approx(10 * 5)
+    assert r["duration"] >= r["floor"] == 3 * 5 * 0.005

@@ -1,0 +1,164 @@
+"""How many token events the API server's loop and the load generator carry, without a
+model: a stand-in engine that gives every running request one token a step, every
+`--step-ms`, behind the real ``AsyncEngine`` and app (a child process), driven by
+``bench.load.run_level`` as ``bench.disagg`` drives a server.
+
+    python -m bench.api_pace --step-ms 40 20 10 --concurrency 256 --num-prompts 512
+
+Each row puts the run beside its floor: the stand-in's own pace (every request its
+`--output-len` steps, `concurrency` at a time) and reports the CPU seconds each process
+spent, so a row far above its floor names the side that fell behind: the server (its
+loop or the engine thread, one GIL) or the client (bench/RESULTS.md, "The load
+generator's own pace").
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import numpy as np
+
+from bench.load import dataset, run_level
+from serving.engine import RequestOutput
+
+# token ids the built-in tokenizer decodes to single letters, so every token streams as text
+LETTERS = list(range(35, 61))
+
+
+class PacedEngine:
+    """The ``Engine`` methods ``AsyncEngine`` calls: each step (``step_s``, slept as a
+    device step is waited for) admits waiting requests up to ``max_num_seqs`` and gives
+    every running one its next token."""
+
+    def __init__(self, step_s: float, max_num_seqs: int):
+        self.step_s, self.max_num_seqs = step_s, max_num_seqs
+        self.config = SimpleNamespace(max_model_len=1 << 20, max_logprobs=0, num_blocks=1,
+                                      num_slots=1)
+        self.waiting: list = []
+        self.running: dict[str, tuple] = {}
+        self.steps = 0
+
+    def add_request(self, prompt, params, request_id, **_):
+        self.waiting.append((request_id, list(prompt), params.max_tokens, []))
+        return request_id
+
+    def abort(self, request_id):
+        self.running.pop(request_id, None)
+        self.waiting = [w for w in self.waiting if w[0] != request_id]
+
+    def has_steps(self):
+        return bool(self.running or self.waiting)
+
+    def step(self):
+        time.sleep(self.step_s)
+        self.steps += 1
+        free = self.max_num_seqs - len(self.running)
+        for r in self.waiting[:free]:
+            self.running[r[0]] = r
+        self.waiting = self.waiting[free:]
+        outs = []
+        for rid, prompt, n, tokens in list(self.running.values()):
+            tokens.append(LETTERS[len(tokens) % len(LETTERS)])
+            done = len(tokens) >= n
+            if done:
+                del self.running[rid]
+            outs.append(RequestOutput(rid, prompt, tokens, tokens[-1:], done,
+                                      finish_reason="length" if done else None))
+        return outs
+
+    def metrics(self):
+        return {"num_running": len(self.running), "num_waiting": len(self.waiting),
+                "free_blocks": 1, "free_slots": 1, "kv_cache_usage": 0.0,
+                "kv_bytes_in_use": 0, "state_bytes_in_use": 0, "num_preemptions": 0,
+                "serving_compiles": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0,
+                "device_busy_s": self.steps * self.step_s, "device_steps": self.steps}
+
+    def close(self):
+        pass
+
+
+def serve(port: int, step_s: float, max_num_seqs: int) -> None:
+    import uvicorn
+
+    from serving.api.app import build_app
+    from serving.api.text import BUILTIN_TOKENIZER, Tokenizer
+    from serving.async_engine import AsyncEngine
+
+    app = build_app(AsyncEngine(PacedEngine(step_s, max_num_seqs)), Tokenizer(BUILTIN_TOKENIZER),
+                    "paced")
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU seconds of a live process (Linux)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def one_level(args, step_ms: float) -> dict:
+    from serving.__main__ import wait_ready
+    from serving.ports import free_port
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen([sys.executable, "-m", "bench.api_pace", "--serve", str(port),
+                               "--step-ms", str(step_ms), "--concurrency", str(args.concurrency)])
+    try:
+        wait_ready([server], [url], 120)
+        data = [(p, args.output_len) for p, _ in dataset(
+            args.num_prompts, args.input_len, args.output_len, 0.0, "vllm", 500, seed=[1, 0])]
+        server_cpu, client_cpu = cpu_seconds(server.pid), time.process_time()
+        results, duration, _ = asyncio.run(run_level(url, "paced", data, args.concurrency,
+                                                     True, ""))
+        server_cpu, client_cpu = cpu_seconds(server.pid) - server_cpu, time.process_time() - client_cpu
+    finally:
+        server.terminate()
+        server.wait()
+    ok = [r for r in results if r.ok]
+    errors = sorted({r.error for r in results if not r.ok})
+    ttft = np.array([r.ttft for r in ok])
+    itl = np.concatenate([r.itl for r in ok])
+    floor = math.ceil(args.num_prompts / args.concurrency) * args.output_len * step_ms / 1e3
+    tokens = sum(r.output_tokens for r in results)
+    return dict(ok=f"{len(ok)}/{len(results)}", errors=errors, step_ms=step_ms, offered=args.concurrency / step_ms * 1e3, tokens=tokens / duration,
+                duration=duration, floor=floor, ttft=ttft.mean(), ttft99=np.percentile(ttft, 99),
+                itl=np.median(itl) * 1e3, itl99=np.percentile(itl, 99) * 1e3,
+                server_cpu=server_cpu, client_cpu=client_cpu)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--step-ms", type=float, nargs="+", default=[40.0, 20.0])
+    p.add_argument("--concurrency", type=int, default=256, help="also the stand-in's batch")
+    p.add_argument("--num-prompts", type=int, default=512)
+    p.add_argument("--input-len", type=int, default=1024)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--serve", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.serve is not None:
+        return serve(args.serve, args.step_ms[0] / 1e3, args.concurrency)
+    print(f"{os.cpu_count()} CPUs; {args.num_prompts} requests of {args.input_len} + "
+          f"{args.output_len} tokens, {args.concurrency} at a time")
+    print("| step ms | ok | token events offered /s | delivered /s | duration s (floor) | "
+          "TTFT mean / p99 s | ITL med / p99 ms | server CPU s | client CPU s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for step_ms in args.step_ms:
+        r = one_level(args, step_ms)
+        print(f"| {r['step_ms']:g} | {r['ok']} | {r['offered']:,.0f} | {r['tokens']:,.0f} | "
+              f"{r['duration']:.2f} ({r['floor']:.2f}) | {r['ttft']:.2f} / {r['ttft99']:.2f} | "
+              f"{r['itl']:.1f} / {r['itl99']:.1f} | {r['server_cpu']:.1f} | "
+              f"{r['client_cpu']:.1f} |", flush=True)
+        for e in r["errors"]:
+            print("  failed:", e)
+
+
+if __name__ == "__main__":
+    main()
