@@ -50,8 +50,15 @@ class PacedEngine:
         return request_id
 
     def abort(self, request_id):
-        self.running.pop(request_id, None)
-        self.waiting = [w for w in self.waiting if w[0] != request_id]
+        """The request's last output (finish "abort"), or None if it had ended."""
+        r = self.running.pop(request_id, None)
+        if r is None:
+            r = next((w for w in self.waiting if w[0] == request_id), None)
+            self.waiting = [w for w in self.waiting if w[0] != request_id]
+        if r is None:
+            return None
+        rid, prompt, _, tokens = r
+        return RequestOutput(rid, prompt, tokens, [], True, finish_reason="abort")
 
     def has_steps(self):
         return bool(self.running or self.waiting)
@@ -124,8 +131,8 @@ def one_level(args, step_ms: float) -> dict:
         server.wait()
     ok = [r for r in results if r.ok]
     errors = sorted({r.error for r in results if not r.ok})
-    ttft = np.array([r.ttft for r in ok])
-    itl = np.concatenate([r.itl for r in ok])
+    ttft = np.array([r.ttft for r in ok] or [np.nan])  # nan: no request succeeded
+    itl = np.array([t for r in ok for t in r.itl] or [np.nan])
     floor = math.ceil(args.num_prompts / args.concurrency) * args.output_len * step_ms / 1e3
     tokens = sum(r.output_tokens for r in results)
     return dict(ok=f"{len(ok)}/{len(results)}", errors=errors, step_ms=step_ms, offered=args.concurrency / step_ms * 1e3, tokens=tokens / duration,

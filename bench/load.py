@@ -10,6 +10,7 @@ level's concurrency, and its TTFT counts to the first chunk with choices.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import math
@@ -214,37 +215,40 @@ async def run_level(url: str, model: str, data, concurrency: int, ignore_eos: bo
     own pace")."""
     timeout = httpx.Timeout(3600.0, connect=30.0)
     tls = ssl.create_default_context()  # one for all: each costs milliseconds to build
-    places: asyncio.Queue = asyncio.Queue()
-    for _ in range(concurrency):
-        places.put_nowait(httpx.AsyncClient(timeout=timeout, verify=tls,
-                                            limits=httpx.Limits(max_connections=1)))
-    async with httpx.AsyncClient(timeout=timeout) as client:
+    async with contextlib.AsyncExitStack() as clients:  # every client closes, however it ends
+        async def new_client(**kw) -> httpx.AsyncClient:
+            return await clients.enter_async_context(httpx.AsyncClient(timeout=timeout, **kw))
+
+        client = await new_client()
+        places: asyncio.LifoQueue = asyncio.LifoQueue()  # the last used first: still connected
+        for _ in range(concurrency):
+            places.put_nowait(await new_client(verify=tls, limits=httpx.Limits(max_connections=1)))
         before = await scrape(client, url)
         done = asyncio.Event()
         watcher = asyncio.create_task(watch(client, url, done))
-        with tqdm(total=len(data), desc=desc, unit="req", disable=not desc) as bar:
-            async def guarded(prompt, max_tokens, at):
-                await asyncio.sleep(at - (time.perf_counter() - t0))
-                place = await places.get()
-                try:
-                    r = await one(place, url, model, prompt, max_tokens, ignore_eos, backend)
-                finally:
-                    places.put_nowait(place)
-                bar.update(1)
-                return r
+        try:
+            with tqdm(total=len(data), desc=desc, unit="req", disable=not desc) as bar:
+                async def guarded(prompt, max_tokens, at):
+                    await asyncio.sleep(at - (time.perf_counter() - t0))
+                    place = await places.get()
+                    try:
+                        r = await one(place, url, model, prompt, max_tokens, ignore_eos, backend)
+                    finally:
+                        places.put_nowait(place)
+                    bar.update(1)
+                    return r
 
-            t0 = time.perf_counter()
-            try:
-                results = await asyncio.gather(*(guarded(p, o, at) for (p, o), at in
-                                                 zip(data, sent_at or [0.0] * len(data))))
-            finally:
-                while not places.empty():
-                    await places.get_nowait().aclose()
-            duration = time.perf_counter() - t0
-        done.set()
-        server = await watcher
+                t0 = time.perf_counter()
+                async with asyncio.TaskGroup() as requests:  # one failing cancels the rest
+                    tasks = [requests.create_task(guarded(p, o, at)) for (p, o), at in
+                             zip(data, sent_at or [0.0] * len(data))]
+                duration = time.perf_counter() - t0
+        finally:
+            done.set()
+            server = await watcher
         await asyncio.sleep(1.5)  # the router's counters lag its workers' by one poll
         after = await scrape(client, url)
+    results = [t.result() for t in tasks]
     device = [k for k in after if k.split("{")[0] in DEVICE_COUNTERS]
     timers = [f"{t}{end}" for t in SERVER_TIMERS for end in ("_sum", "_count")]
     for k in (*TRANSFER_COUNTERS, *PREFIX_COUNTERS, *timers, *device):

@@ -28,13 +28,18 @@ def serve(config, engine) -> None:
     server = uvicorn.Server(config)
     threading.Thread(target=watch, args=(server, engine), name="engine-exit",
                      daemon=True).start()
-    server.run()
+    try:
+        server.run()
+    finally:  # however it ended (a signal, a port it could not bind), the engine's
+        server.should_exit = True  # shutdown that follows is no failure
 
 
 def watch(server, engine) -> None:
-    """Exit the process once ``engine`` fails while ``server`` serves. A stopping server
-    shuts its engine down (which sets ``engine.error`` too) only after it set
-    ``should_exit``, so an error read before ``should_exit`` is a failure, not the stop."""
+    """Exit the process once ``engine`` fails while ``server`` serves. The engine is shut
+    down (which sets ``engine.error`` too) only after ``should_exit`` is set: by uvicorn
+    on a signal, before its lifespan shutdown; by ``serve`` once ``run`` returns or
+    raises, before its caller's shutdown. So an error read before ``should_exit`` is a
+    failure, not the stop."""
     while not server.should_exit:
         time.sleep(0.5)
         error = engine.error

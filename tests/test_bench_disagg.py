@@ -290,3 +290,81 @@ def test_api_pace_streams_every_token_of_every_request():
     assert r["ok"] == "10/10" and r["errors"] == []
     assert r["tokens"] * r["duration"] == pytest.approx(10 * 5)
     assert r["duration"] >= r["floor"] == 3 * 5 * 0.005
+
+
+def test_api_pace_engine_ends_an_aborted_stream():
+    """The stand-in engine keeps the contract AsyncEngine relies on: an abort returns the
+    request's last output, so its stream ends ("abort") and nothing is left behind."""
+    import asyncio
+
+    from bench.api_pace import PacedEngine
+    from serving.async_engine import AsyncEngine
+    from serving.engine import SamplingParams
+
+    async def go():
+        ae = AsyncEngine(PacedEngine(0.002, 4))
+        try:
+            stream = await ae.add("a", [35, 36], SamplingParams(max_tokens=10_000))
+            first = await stream.__anext__()
+            await ae.abort("a")
+
+            async def rest_of_it():
+                return [o async for o in stream]
+            rest = await asyncio.wait_for(rest_of_it(), 10)  # an unended stream waits for ever
+            for _ in range(200):  # the counters are the engine thread's, read between steps
+                if ae.stats()["num_running"] == 0:
+                    break
+                await asyncio.sleep(0.01)
+            return first, rest, ae.stats()["num_running"]
+        finally:
+            ae.shutdown()
+
+    first, rest, running = asyncio.run(go())
+    assert not first.finished and rest[-1].finish_reason == "abort" and running == 0
+
+
+def test_run_level_reuses_the_last_used_connection_and_closes_every_client(monkeypatch):
+    """Each place in flight has its own client; a request takes the one used last (its
+    connection still open, where the longest idle one may have timed out), and every
+    client is closed however the level ends, a request's unexpected error included."""
+    import asyncio
+
+    import httpx
+
+    from bench import load
+
+    clients, used = [], []
+
+    class Tracked(httpx.AsyncClient):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            clients.append(self)
+
+    async def scrape(client, url):
+        return {}
+
+    async def watch(client, url, done):
+        await done.wait()
+        return {}
+
+    async def one(client, url, model, prompt, max_tokens, ignore_eos, backend):
+        used.append(client)
+        if prompt == "boom":
+            raise KeyError("a malformed answer")
+        await asyncio.sleep(0.01)
+        return load.Result(prompt_tokens=1, ok=True)
+
+    monkeypatch.setattr(load.httpx, "AsyncClient", Tracked)
+    monkeypatch.setattr(load, "scrape", scrape)
+    monkeypatch.setattr(load, "watch", watch)
+    monkeypatch.setattr(load, "one", one)
+    results, _, _ = asyncio.run(load.run_level("http://x", "m", [("a", 1)] * 5, 4, True, "",
+                                               sent_at=[0.0, 0.05, 0.1, 0.15, 0.2]))
+    assert len(results) == 5 and len({id(c) for c in used}) == 1
+    assert len(clients) == 5 and all(c.is_closed for c in clients)
+    clients.clear()
+    with pytest.raises(ExceptionGroup) as failed:
+        asyncio.run(load.run_level("http://x", "m", [("a", 1), ("boom", 1), ("a", 1)], 3,
+                                   True, ""))
+    assert failed.group_contains(KeyError)
+    assert len(clients) == 4 and all(c.is_closed for c in clients)

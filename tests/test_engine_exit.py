@@ -104,3 +104,32 @@ def test_a_server_told_to_stop_does_not_exit_as_failed(monkeypatch):
 
     assert run_watch(stopping=True) == []
     assert run_watch(stopping=False) == [ENGINE_FAILED_EXIT]
+
+
+def test_a_server_that_cannot_bind_its_port_is_no_engine_failure(monkeypatch):
+    """uvicorn exits without setting ``should_exit`` when its port is taken; the caller's
+    engine shutdown that follows is then no failure either (it was status 3 and an ERROR,
+    and the exit cut that shutdown short)."""
+    import socket
+    from types import SimpleNamespace
+
+    import pytest
+    import uvicorn
+
+    from serving import engine_exit
+    from serving.errors import EngineDead
+
+    exits = []
+    monkeypatch.setattr(engine_exit.os, "_exit", exits.append)
+    monkeypatch.setattr(engine_exit, "ENGINE_FAILED_GRACE", 0.0)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        config = uvicorn.Config(lambda scope, receive, send: None, host="127.0.0.1",
+                                port=taken.getsockname()[1], log_level="critical")
+        engine = SimpleNamespace(error=None)
+        with pytest.raises(SystemExit):
+            engine_exit.serve(config, engine)
+    engine.error = EngineDead("engine shut down")  # the caller's shutdown, after serve
+    time.sleep(1.2)  # the watch looks every 0.5 s
+    assert exits == []
