@@ -34,11 +34,14 @@ LETTERS = list(range(35, 61))
 
 class PacedEngine:
     """The ``Engine`` methods ``AsyncEngine`` calls: each step (``step_s``, slept as a
-    device step is waited for) admits waiting requests up to ``max_num_seqs`` and gives
-    every running one its next token."""
+    device step is waited for, in ``waits`` parts, after each of which the host works
+    ``host_s`` a running request, spread over the parts: Python holding the GIL) admits
+    waiting requests up to ``max_num_seqs`` and gives every running one its next token."""
 
-    def __init__(self, step_s: float, max_num_seqs: int):
+    def __init__(self, step_s: float, max_num_seqs: int, waits: int = 1, host_s: float = 0.0):
         self.step_s, self.max_num_seqs = step_s, max_num_seqs
+        self.waits, self.host_s = waits, host_s
+        self.step_time = 0.0  # the steps' wall time, host work and GIL waits included
         self.config = SimpleNamespace(max_model_len=1 << 20, max_logprobs=0, num_blocks=1,
                                       num_slots=1)
         self.waiting: list = []
@@ -64,7 +67,13 @@ class PacedEngine:
         return bool(self.running or self.waiting)
 
     def step(self):
-        time.sleep(self.step_s)
+        start = time.perf_counter()
+        for _ in range(self.waits):
+            time.sleep(self.step_s / self.waits)
+            end = time.perf_counter() + self.host_s * len(self.running) / self.waits
+            while time.perf_counter() < end:
+                pass
+        self.step_time += time.perf_counter() - start
         self.steps += 1
         free = self.max_num_seqs - len(self.running)
         for r in self.waiting[:free]:
@@ -85,21 +94,24 @@ class PacedEngine:
                 "free_blocks": 1, "free_slots": 1, "kv_cache_usage": 0.0,
                 "kv_bytes_in_use": 0, "state_bytes_in_use": 0, "num_preemptions": 0,
                 "serving_compiles": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0,
-                "device_busy_s": self.steps * self.step_s, "device_steps": self.steps}
+                "device_busy_s": self.step_time, "device_steps": self.steps}
 
     def close(self):
         pass
 
 
-def serve(port: int, step_s: float, max_num_seqs: int) -> None:
+def serve(port: int, args) -> None:
     import uvicorn
 
     from serving.api.app import build_app
     from serving.api.text import BUILTIN_TOKENIZER, Tokenizer
     from serving.async_engine import AsyncEngine
 
-    app = build_app(AsyncEngine(PacedEngine(step_s, max_num_seqs)), Tokenizer(BUILTIN_TOKENIZER),
-                    "paced")
+    engine = AsyncEngine(PacedEngine(args.step_ms[0] / 1e3, args.concurrency, args.waits,
+                                     args.host_us / 1e6))
+    if args.gil_switch_ms is not None:  # in place of AsyncEngine's
+        sys.setswitchinterval(args.gil_switch_ms / 1e3)
+    app = build_app(engine, Tokenizer(BUILTIN_TOKENIZER), "paced")
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
 
 
@@ -116,15 +128,19 @@ def one_level(args, step_ms: float) -> dict:
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
+    stand_in = ["--step-ms", str(step_ms), "--concurrency", str(args.concurrency), "--waits",
+                str(args.waits), "--host-us", str(args.host_us)]
+    if args.gil_switch_ms is not None:
+        stand_in += ["--gil-switch-ms", str(args.gil_switch_ms)]
     server = subprocess.Popen([sys.executable, "-m", "bench.api_pace", "--serve", str(port),
-                               "--step-ms", str(step_ms), "--concurrency", str(args.concurrency)])
+                               *stand_in])
     try:
         wait_ready([server], [url], 120)
         data = [(p, args.output_len) for p, _ in dataset(
             args.num_prompts, args.input_len, args.output_len, 0.0, "vllm", 500, seed=[1, 0])]
         server_cpu, client_cpu = cpu_seconds(server.pid), time.process_time()
-        results, duration, _ = asyncio.run(run_level(url, "paced", data, args.concurrency,
-                                                     True, ""))
+        results, duration, counters = asyncio.run(run_level(url, "paced", data,
+                                                            args.concurrency, True, ""))
         server_cpu, client_cpu = cpu_seconds(server.pid) - server_cpu, time.process_time() - client_cpu
     finally:
         server.terminate()
@@ -135,7 +151,10 @@ def one_level(args, step_ms: float) -> dict:
     itl = np.array([t for r in ok for t in r.itl] or [np.nan])
     floor = math.ceil(args.num_prompts / args.concurrency) * args.output_len * step_ms / 1e3
     tokens = sum(r.output_tokens for r in results)
-    return dict(ok=f"{len(ok)}/{len(results)}", errors=errors, step_ms=step_ms, offered=args.concurrency / step_ms * 1e3, tokens=tokens / duration,
+    busy, steps = (counters.get(f"qwen35:device_{k}_total{{aggregated}}", 0.0)
+                   for k in ("busy_seconds", "steps"))
+    return dict(ok=f"{len(ok)}/{len(results)}", errors=errors, step_ms=step_ms,
+                mean_step_ms=busy / steps * 1e3 if steps else float("nan"), offered=args.concurrency / step_ms * 1e3, tokens=tokens / duration,
                 duration=duration, floor=floor, ttft=ttft.mean(), ttft99=np.percentile(ttft, 99),
                 itl=np.median(itl) * 1e3, itl99=np.percentile(itl, 99) * 1e3,
                 server_cpu=server_cpu, client_cpu=client_cpu)
@@ -148,19 +167,29 @@ def main(argv=None) -> None:
     p.add_argument("--num-prompts", type=int, default=512)
     p.add_argument("--input-len", type=int, default=1024)
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--waits", type=int, default=1, help="device waits a stand-in step")
+    p.add_argument("--host-us", type=float, default=0.0,
+                   help="the stand-in's host work (Python, GIL held) per running request a step")
+    p.add_argument("--gil-switch-ms", type=float, default=None,
+                   help="the server's GIL switch interval (default: AsyncEngine's)")
     p.add_argument("--serve", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.serve is not None:
-        return serve(args.serve, args.step_ms[0] / 1e3, args.concurrency)
+        return serve(args.serve, args)
     print(f"{os.cpu_count()} CPUs; {args.num_prompts} requests of {args.input_len} + "
           f"{args.output_len} tokens, {args.concurrency} at a time")
+    switch = "AsyncEngine's" if args.gil_switch_ms is None else f"{args.gil_switch_ms:g} ms"
+    print(f"stand-in: {args.waits} waits a step, {args.host_us:g} us of host work a request; "
+          f"GIL switch interval {switch}")
     print("| step ms | ok | token events offered /s | delivered /s | duration s (floor) | "
-          "TTFT mean / p99 s | ITL med / p99 ms | server CPU s | client CPU s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "stand-in step ms | TTFT mean / p99 s | ITL med / p99 ms | server CPU s | "
+          "client CPU s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for step_ms in args.step_ms:
         r = one_level(args, step_ms)
         print(f"| {r['step_ms']:g} | {r['ok']} | {r['offered']:,.0f} | {r['tokens']:,.0f} | "
-              f"{r['duration']:.2f} ({r['floor']:.2f}) | {r['ttft']:.2f} / {r['ttft99']:.2f} | "
+              f"{r['duration']:.2f} ({r['floor']:.2f}) | {r['mean_step_ms']:.1f} | "
+              f"{r['ttft']:.2f} / {r['ttft99']:.2f} | "
               f"{r['itl']:.1f} / {r['itl99']:.1f} | {r['server_cpu']:.1f} | "
               f"{r['client_cpu']:.1f} |", flush=True)
         for e in r["errors"]:

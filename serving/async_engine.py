@@ -35,6 +35,7 @@ over disaggregated prefill/decode workers can implement the same interface.
 import asyncio
 import dataclasses
 import logging
+import sys
 import threading
 import time
 from collections import deque
@@ -46,6 +47,13 @@ from serving.engine.outputs import joined
 from serving.errors import EngineDead, EngineOverloaded, EngineStalled
 
 log = logging.getLogger(__name__)
+
+# Seconds a thread holding the GIL runs before one waiting for it takes over (Python's
+# default is 5 ms). The engine thread gives the GIL up at each wait for the device and
+# must win it back from the event loop, which is busy streaming outputs: each of its
+# several waits a step could cost up to this much more (bench.api_pace with a stand-in
+# engine, bench/RESULTS.md "The GIL between the engine thread and the server's loop").
+GIL_SWITCH_INTERVAL = 0.001
 
 
 class RequestStream:
@@ -123,6 +131,7 @@ class AsyncEngine:
         self._reserved = 0
         self._streams: dict[str, tuple[RequestStream, asyncio.AbstractEventLoop]] = {}
         self._stats = self._snapshot()
+        sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL))
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
         threading.Thread(target=self._watch, name="engine-watchdog", daemon=True).start()

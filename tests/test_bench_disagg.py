@@ -285,9 +285,11 @@ def test_api_pace_streams_every_token_of_every_request():
 
     from bench import api_pace
 
-    args = Namespace(concurrency=4, num_prompts=10, input_len=8, output_len=5)
+    args = Namespace(concurrency=4, num_prompts=10, input_len=8, output_len=5, waits=2,
+                     host_us=100.0, gil_switch_ms=None)
     r = api_pace.one_level(args, step_ms=5.0)
     assert r["ok"] == "10/10" and r["errors"] == []
+    assert r["mean_step_ms"] >= 5.0  # its sleeps, and host work while requests run
     assert r["tokens"] * r["duration"] == pytest.approx(10 * 5)
     assert r["duration"] >= r["floor"] == 3 * 5 * 0.005
 
