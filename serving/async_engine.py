@@ -48,11 +48,13 @@ from serving.errors import EngineDead, EngineOverloaded, EngineStalled
 
 log = logging.getLogger(__name__)
 
-# Seconds a thread holding the GIL runs before one waiting for it takes over (Python's
-# default is 5 ms). The engine thread gives the GIL up at each wait for the device and
-# must win it back from the event loop, which is busy streaming outputs: each of its
-# several waits a step could cost up to this much more (bench.api_pace with a stand-in
-# engine, bench/RESULTS.md "The GIL between the engine thread and the server's loop").
+# Seconds a thread waiting for the GIL lets its holder run before it asks for a switch
+# (Python's default is 5 ms). The engine thread gives the GIL up in every call that
+# releases it: each host array a program call copies to the device, each dispatch, each
+# wait for the sampled tokens (about 10 a decode step, counted on CPU), and must win it
+# back from the event loop, which is busy streaming outputs; each return can cost about
+# this much more (bench.api_pace with a stand-in engine, bench/RESULTS.md "The GIL between
+# the engine thread and the server's loop"). It stays set for the process's life.
 GIL_SWITCH_INTERVAL = 0.001
 
 
