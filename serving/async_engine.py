@@ -65,8 +65,10 @@ class RequestStream:
     then handles fewer, larger outputs instead of a growing backlog of one-token ones,
     and each token still leaves at the first chance."""
 
-    def __init__(self, owner: "AsyncEngine", request_id: str):
+    def __init__(self, owner: "AsyncEngine", request_id: str,
+                 on_output: Callable[[RequestOutput], None] | None = None):
         self.request_id = request_id
+        self._on_output = on_output  # sees each output as it arrives, before any join
         self.finished = False
         self.admitted = False  # set by the engine thread once the engine took the request
         self._owner = owner
@@ -96,6 +98,8 @@ class RequestStream:
             self._owner._send(("abort", self.request_id))
 
     def _put(self, item) -> None:
+        if self._on_output is not None and isinstance(item, RequestOutput):
+            self._on_output(item)
         last = self._pending[-1] if self._pending else None
         if isinstance(item, RequestOutput) and isinstance(last, RequestOutput):
             self._pending[-1] = joined(last, item)
@@ -143,6 +147,7 @@ class AsyncEngine:
     async def add(self, request_id: str, prompt_token_ids: list[int],
                   params: SamplingParams, *, reserved: bool = False,
                   on_cancel: Callable[[Engine], object] | None = None,
+                  on_output: Callable[[RequestOutput], None] | None = None,
                   **admit) -> RequestStream:
         """Queue a request and wait until the engine accepts it (through the connector's
         `admit`, which gets the keyword arguments `admit`). Raises ValueError (bad
@@ -151,14 +156,15 @@ class AsyncEngine:
         `reserved`: the caller holds a place from `reserve_room`, which this add takes.
         A caller cancelled while its admission is pending ends the request only if this
         admission succeeded (another request's id, refused as a duplicate, is not
-        touched): the engine thread then aborts it and runs `on_cancel(engine)`."""
+        touched): the engine thread then aborts it and runs `on_cancel(engine)`.
+        `on_output`: as `serving.api.backend.Backend.add` says."""
         if reserved:
             self._reserved -= 1
             self.check_health()
         else:
             self.check_room()
         loop = asyncio.get_running_loop()
-        stream = RequestStream(self, request_id)
+        stream = RequestStream(self, request_id, on_output)
         admitted = loop.create_future()
         self._submitted += 1
         prompt = list(prompt_token_ids)

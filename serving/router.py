@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 import httpx
 from pydantic import ValidationError
@@ -59,15 +60,18 @@ class RouterStream:
     """Outputs of one routed request: the prefill's first token, then its frames from the
     decode worker's output channel."""
 
-    def __init__(self, router: "Router", request_id: str, first: RequestOutput, decode):
+    def __init__(self, router: "Router", request_id: str, first: RequestOutput, decode,
+                 on_output: Callable[[RequestOutput], None] | None):
         self.request_id = request_id
         self._router, self._first, self._decode = router, first, decode  # (url, channel, queue)
+        self._on_output = on_output or (lambda out: None)  # frames are never joined here
         self._closed = self._done = False
 
     def __aiter__(self):
         return self._iterate()
 
     async def _iterate(self):
+        self._on_output(self._first)
         yield self._first
         if self._first.finished:
             return
@@ -86,7 +90,7 @@ class RouterStream:
                 tokens += frame.new_token_ids
                 logprobs += frame.logprobs or []
                 self._done = frame.finished
-                yield RequestOutput(
+                out = RequestOutput(
                     request_id=self.request_id, prompt_token_ids=self._first.prompt_token_ids,
                     token_ids=list(tokens), new_token_ids=frame.new_token_ids,
                     finished=frame.finished, finish_reason=frame.finish_reason,
@@ -94,6 +98,8 @@ class RouterStream:
                     logprobs=list(logprobs) if self._first.logprobs is not None else None,
                     num_preemptions=frame.num_preemptions,
                     num_cached_tokens=self._first.num_cached_tokens)
+                self._on_output(out)
+                yield out
                 if frame.finished:
                     return
         finally:
@@ -158,8 +164,9 @@ class Router:
             router._saw(url, info)
         return router
 
-    async def add(self, request_id: str, prompt_token_ids: list[int],
-                  params: SamplingParams) -> RouterStream:
+    async def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                  *, on_output: Callable[[RequestOutput], None] | None = None
+                  ) -> RouterStream:
         self._ensure_polling()
         down = self._down()
         if set(self.decode.urls) <= down:  # prefilling it would only hold memory for nothing
@@ -189,7 +196,7 @@ class Router:
             num_cached_tokens=result.num_cached_tokens,
             metrics={"queue_s": result.queue_seconds})
         if first.finished:
-            return RouterStream(self, request_id, first, None)
+            return RouterStream(self, request_id, first, None, on_output)
         self._sources[url] = tuple(result.transfer.address)
         try:
             decode = await self._start_decode(dict(
@@ -200,7 +207,7 @@ class Router:
         except BaseException:  # no decode worker took it: its lease need not wait to expire
             self._notify(url, "/abandon", Abandon(lease=result.transfer.lease), timeout=2.0)
             raise
-        return RouterStream(self, request_id, first, decode)
+        return RouterStream(self, request_id, first, decode, on_output)
 
     async def _start_decode(self, fields: dict, keys: list[bytes]):
         """Post the ``DecodeRequest`` of ``fields`` to a decode worker, naming its output

@@ -154,11 +154,11 @@ class Replies:
         self.reply = "ok"
         self.requests = []  # (prompt ids, SamplingParams)
 
-    async def add(self, request_id, prompt_token_ids, params):
+    async def add(self, request_id, prompt_token_ids, params, *, on_output=None):
         self.requests.append((list(prompt_token_ids), params))
         ids = self.tok.encode(self.reply, add_special_tokens=False)[:params.max_tokens]
         finish = "stop" if len(ids) < params.max_tokens else "length"
-        return _Stream(request_id, list(prompt_token_ids), ids, finish)
+        return _Stream(request_id, list(prompt_token_ids), ids, finish, on_output)
 
     async def abort(self, request_id):
         pass
@@ -175,16 +175,19 @@ class Replies:
 
 
 class _Stream:
-    def __init__(self, request_id, prompt, ids, finish):
-        self.args = request_id, prompt, ids, finish
+    def __init__(self, request_id, prompt, ids, finish, on_output):
+        self.args = request_id, prompt, ids, finish, on_output
 
     async def __aiter__(self):
-        request_id, prompt, ids, finish = self.args
+        request_id, prompt, ids, finish, on_output = self.args
         for i in range(len(ids)):
             await asyncio.sleep(0)
             done = i == len(ids) - 1
-            yield RequestOutput(request_id, prompt, ids[:i + 1], [ids[i]], done,
+            out = RequestOutput(request_id, prompt, ids[:i + 1], [ids[i]], done,
                                 finish_reason=finish if done else None)
+            if on_output is not None:
+                on_output(out)
+            yield out
 
     async def aclose(self):
         pass

@@ -182,12 +182,14 @@ def test_outputs_are_detached_copies():
 def test_outputs_a_slow_reader_has_not_taken_are_joined():
     """A reader that falls behind gets one output for everything that arrived since its
     last read (the latest's state, every new token), and an error after outputs comes
-    after them."""
+    after them. `on_output` (the server's request timer) still sees each output as it
+    arrived."""
     from serving.async_engine import RequestStream
     engine = ScriptedEngine()
+    arrived = []
 
     async def slow(ae):
-        stream = await ae.add("a", [1], SamplingParams(max_tokens=6))
+        stream = await ae.add("a", [1], SamplingParams(max_tokens=6), on_output=arrived.append)
         for _ in range(300):  # the engine runs the whole request before the first read
             if not engine.running and not engine.waiting:
                 break
@@ -197,6 +199,7 @@ def test_outputs_a_slow_reader_has_not_taken_are_joined():
     outs = run(slow, engine)
     assert [(o.new_token_ids, o.token_ids, o.finished) for o in outs] == [
         ([0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5], True)]
+    assert [o.new_token_ids for o in arrived] == [[0], [1], [2], [3], [4], [5]]
 
     async def failing():
         stream = RequestStream(None, "b")
@@ -332,7 +335,7 @@ def _ask_crashing_app(tok, requests):
     async def go():
         engine = AsyncEngine(ScriptedEngine(crash_on="boom"))
         add = engine.add
-        engine.add = lambda request_id, prompt, params: add("boom", prompt, params)
+        engine.add = lambda request_id, prompt, params, **kw: add("boom", prompt, params, **kw)
         app = build_app(engine, tok, "m")
         try:
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app),
@@ -366,8 +369,8 @@ def test_stream_reports_engine_failure_in_band(tok):
 
 def test_outputs_that_arrive_while_the_server_is_busy_leave_as_one_event():
     """Three outputs of choice 0 queued before the consumer reads: one output carrying
-    all three tokens (the latest's other fields); choice 1's stays apart; the timers
-    see every token; an error after outputs lets those leave first."""
+    all three tokens (the latest's other fields); choice 1's stays apart; an error after
+    outputs lets those leave first."""
     from serving.api.generate import merged
 
     class Stream:
@@ -390,27 +393,18 @@ def test_outputs_that_arrive_while_the_server_is_busy_leave_as_one_event():
         return RequestOutput(rid, [1], tokens, new, finished=finished,
                              finish_reason="length" if finished else None)
 
-    class Timer:
-        def __init__(self):
-            self.n = 0
-
-        def output(self, o):
-            self.n += len(o.new_token_ids)
-
-    async def collect(streams, timers):
+    async def collect(streams):
         got = []
         try:
-            async for i, o in merged(streams, timers):
+            async for i, o in merged(streams):
                 got.append((i, o.new_token_ids, o.token_ids, o.finished))
         except ValueError as e:
             got.append(str(e))
         return got
 
-    timers = [Timer(), Timer()]
     a = Stream([out("a", [5], [5]), out("a", [5, 6], [6]), out("a", [5, 6, 7], [7], True)])
     b = Stream([out("b", [9], [9], True)])
-    assert asyncio.run(collect([a, b], timers)) == [(0, [5, 6, 7], [5, 6, 7], True),
-                                                    (1, [9], [9], True)]
-    assert [t.n for t in timers] == [3, 1]
+    assert asyncio.run(collect([a, b])) == [(0, [5, 6, 7], [5, 6, 7], True),
+                                            (1, [9], [9], True)]
     bad = Stream([out("c", [4], [4]), ValueError("worker failed")])
-    assert asyncio.run(collect([bad], [Timer()])) == [(0, [4], [4], False), "worker failed"]
+    assert asyncio.run(collect([bad])) == [(0, [4], [4], False), "worker failed"]

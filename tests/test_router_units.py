@@ -61,7 +61,7 @@ def test_stream_closed_before_iteration_aborts_its_decode_request():
     channel._id = "c1"
     queue = channel.register("r")
     first = RequestOutput("r", [1, 2], [3], [3], finished=False)
-    stream = RouterStream(router, "r", first, ("http://d", channel, queue))
+    stream = RouterStream(router, "r", first, ("http://d", channel, queue), None)
 
     async def close_twice():
         await stream.aclose()

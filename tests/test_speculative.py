@@ -216,8 +216,11 @@ def test_a_random_models_gdn_state_survives_verify_rows_and_prefix_snapshots():
     for i, w in zip(ids, want):
         assert done[i].token_ids == w.token_ids, i
         got = [lp[t] for lp, t in zip(done[i].logprobs, w.token_ids)]
+        # float32 rows of a verify step sum in another order than one-token decode rows,
+        # and the difference compounds through the recurrent state: 8e-6 on this machine,
+        # 1.3e-4 once in CI (stop 58). A verify state scaled by 0.99 already changes tokens.
         np.testing.assert_allclose(got, [lp[t] for lp, t in zip(w.logprobs, w.token_ids)],
-                                   atol=1e-4)
+                                   atol=5e-4)
 
 
 def test_speculative_config_is_checked():

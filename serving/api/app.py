@@ -182,8 +182,8 @@ def build_app(backend: Backend, tokenizer: Tokenizer, model_name: str, *,
 
     async def _run(request: Request, jobs, renderer: render.StreamRenderer, stream: bool,
                    start: float, echo: bool = False):
-        streams = await submit(backend, renderer.id, jobs)
-        outputs = merged(streams, start_timers(metrics, jobs, start))
+        streams = await submit(backend, renderer.id, jobs, start_timers(metrics, jobs, start))
+        outputs = merged(streams)
         if stream:
             return EventStream(_events(renderer, every(outputs, options.stream_interval)),
                                streams)

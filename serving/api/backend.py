@@ -7,7 +7,7 @@ tokenization, chat templates, detokenization and the OpenAI shapes stay in
 the server, so a backend never handles text.
 """
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
 from serving.engine import RequestOutput, SamplingParams
@@ -29,12 +29,17 @@ class Backend(Protocol):
     max_model_len: int  # prompt plus output tokens
     max_logprobs: int  # the largest `logprobs` a request may ask for
 
-    async def add(self, request_id: str, prompt_token_ids: list[int],
-                  params: SamplingParams) -> RequestStream:
+    async def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                  *, on_output: Callable[[RequestOutput], None] | None = None
+                  ) -> RequestStream:
         """Returns once the request is accepted. Raises ValueError for a
         request it cannot serve, EngineOverloaded when its queue is full,
         Unavailable when no worker it needs is live now, EngineDead when it
-        can serve nothing."""
+        can serve nothing.
+
+        `on_output(out)` runs on the server's loop for each output as it arrives, before
+        the stream joins outputs its reader has not yet taken: the server's latency
+        histograms see each step's tokens when they came, not when a busy loop read them."""
 
     async def abort(self, request_id: str) -> None: ...
 

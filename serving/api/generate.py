@@ -18,12 +18,14 @@ from serving.engine import RequestOutput
 from serving.engine.outputs import joined
 
 
-async def submit(backend: Backend, request_id: str, jobs: list[Job]) -> list[RequestStream]:
-    """Add every job, or abort those already added and raise the first failure
-    as an APIError (400 bad input, 503 overload or no live worker, 502 a worker that
-    failed, 500 dead engine)."""
+async def submit(backend: Backend, request_id: str, jobs: list[Job],
+                 timers: list[RequestTimer]) -> list[RequestStream]:
+    """Add every job, its timer seeing its outputs as they arrive, or abort those already
+    added and raise the first failure as an APIError (400 bad input, 503 overload or no
+    live worker, 502 a worker that failed, 500 dead engine)."""
     results = await asyncio.gather(
-        *(backend.add(f"{request_id}-{j.index}", j.prompt.token_ids, j.params) for j in jobs),
+        *(backend.add(f"{request_id}-{j.index}", j.prompt.token_ids, j.params,
+                      on_output=t.output) for j, t in zip(jobs, timers, strict=True)),
         return_exceptions=True)
     streams = [r for r in results if not isinstance(r, BaseException)]
     errors = [r for r in results if isinstance(r, BaseException)]
@@ -44,8 +46,7 @@ async def submit(backend: Backend, request_id: str, jobs: list[Job]) -> list[Req
     raise e
 
 
-async def merged(streams: list[RequestStream], timers: list[RequestTimer]
-                 ) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(position in `streams`, output) as outputs arrive, until all finish. Outputs
     of a stream that arrive while the consumer is busy are joined into one (as vLLM's
     output collector joins them): a server that falls behind its engine sends fewer,
@@ -75,7 +76,6 @@ async def merged(streams: list[RequestStream], timers: list[RequestTimer]
                 if isinstance(out, Exception):
                     error = out
                     break
-                timers[i].output(out)
                 if out.finished:
                     remaining -= 1
                 latest[i] = joined(latest[i], out) if i in latest else out
