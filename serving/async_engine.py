@@ -98,8 +98,8 @@ class RequestStream:
             self._owner._send(("abort", self.request_id))
 
     def _put(self, item) -> None:
-        if self._on_output is not None and isinstance(item, RequestOutput):
-            self._on_output(item)
+        if self._on_output is not None and not self.finished and isinstance(item, RequestOutput):
+            self._on_output(item)  # not the abort's output after the reader closed the stream
         last = self._pending[-1] if self._pending else None
         if isinstance(item, RequestOutput) and isinstance(last, RequestOutput):
             self._pending[-1] = joined(last, item)

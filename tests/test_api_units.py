@@ -222,18 +222,23 @@ def test_bad_request_raises_at_add_and_others_continue():
 
 
 def test_closing_a_stream_aborts_it():
+    """Closing aborts the request; `on_output` (the server's request timer) sees nothing after
+    the close: the abort's own output does not count as a finished request."""
     engine = ScriptedEngine()
+    seen = []
 
     async def go(ae):
-        stream = await ae.add("a", [1], SamplingParams(max_tokens=1000))
+        stream = await ae.add("a", [1], SamplingParams(max_tokens=1000), on_output=seen.append)
         await stream.__anext__()
         await stream.aclose()
         for _ in range(200):
             if not engine.running and ae.stats()["num_running"] == 0:
+                await asyncio.sleep(0.05)  # the abort's output reaches this loop
                 return True
             await asyncio.sleep(0.01)
     assert run(go, engine)
     assert engine.idle_steps >= 1  # the idle step that lets the engine release memory
+    assert seen and not any(o.finished for o in seen)
 
 
 def test_abort_ends_the_stream():

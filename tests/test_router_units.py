@@ -6,6 +6,7 @@ import pytest
 
 from serving.engine import RequestOutput, SamplingParams
 from serving.errors import EngineOverloaded, Unavailable, WorkerFailed
+from serving.messages import DecodeFrame
 from serving.output_channel import OutputChannel
 from serving.router import Router, RouterStream
 from serving.worker_pool import WorkerPool
@@ -71,6 +72,31 @@ def test_stream_closed_before_iteration_aborts_its_decode_request():
     asyncio.run(close_twice())
     assert posted == [("/abort", {"request_id": "r", "channel": "c1"})]
     assert router.decode.load["http://d"] == 0 and "r" not in channel._queues
+
+
+def test_a_router_stream_shows_each_output_to_on_output_once():
+    """The first token, then each decode frame, reach `on_output` as the reader takes them;
+    a stream closed before it is read shows nothing."""
+    router = Router(["http://p"], ["http://d"], secret=SECRET, max_model_len=64, max_logprobs=0)
+    channel = OutputChannel(router._client, "http://d")
+    first = RequestOutput("r", [1, 2], [3], [3], finished=False)
+    seen = []
+    queue = channel.register("r")
+    for new, done in (([4], False), ([5, 6], True)):
+        queue.put_nowait(DecodeFrame(request_id="r", new_token_ids=new, finished=done,
+                                     finish_reason="length" if done else None))
+    router.decode.load["http://d"] += 1
+    stream = RouterStream(router, "r", first, ("http://d", channel, queue), seen.append)
+
+    async def read():
+        return [out.token_ids async for out in stream]
+
+    assert asyncio.run(read()) == [[3], [3, 4], [3, 4, 5, 6]]
+    assert [(o.new_token_ids, o.finished) for o in seen] == [([3], False), ([4], False),
+                                                              ([5, 6], True)]
+    unread = []
+    asyncio.run(RouterStream(router, "u", first, None, unread.append).aclose())
+    assert unread == []
 
 
 def _router_with(decode_status, decode_detail):

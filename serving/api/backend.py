@@ -37,9 +37,10 @@ class Backend(Protocol):
         Unavailable when no worker it needs is live now, EngineDead when it
         can serve nothing.
 
-        `on_output(out)` runs on the server's loop for each output as it arrives, before
-        the stream joins outputs its reader has not yet taken: the server's latency
-        histograms see each step's tokens when they came, not when a busy loop read them."""
+        `on_output(out)` runs on the server's loop for each output, never after the stream
+        is closed: the server's latency histograms count each step's tokens apart. The
+        engine's stream calls it as an output arrives, before joining it to a backlog its
+        reader has not taken; the router's as its reader takes each (never joined) frame."""
 
     async def abort(self, request_id: str) -> None: ...
 

@@ -20,7 +20,7 @@ from serving.engine.outputs import joined
 
 async def submit(backend: Backend, request_id: str, jobs: list[Job],
                  timers: list[RequestTimer]) -> list[RequestStream]:
-    """Add every job, its timer seeing its outputs as they arrive, or abort those already
+    """Add every job, its timer seeing each of its outputs apart, or abort those already
     added and raise the first failure as an APIError (400 bad input, 503 overload or no
     live worker, 502 a worker that failed, 500 dead engine)."""
     results = await asyncio.gather(
