@@ -141,7 +141,8 @@ def one_level(args, step_ms: float) -> dict:
         server_cpu, client_cpu = cpu_seconds(server.pid), time.process_time()
         results, duration, counters = asyncio.run(run_level(url, "paced", data,
                                                             args.concurrency, True, ""))
-        server_cpu, client_cpu = cpu_seconds(server.pid) - server_cpu, time.process_time() - client_cpu
+        server_cpu = cpu_seconds(server.pid) - server_cpu
+        client_cpu = time.process_time() - client_cpu
     finally:
         server.terminate()
         server.wait()
@@ -154,7 +155,8 @@ def one_level(args, step_ms: float) -> dict:
     busy, steps = (counters.get(f"qwen35:device_{k}_total{{aggregated}}", 0.0)
                    for k in ("busy_seconds", "steps"))
     return dict(ok=f"{len(ok)}/{len(results)}", errors=errors, step_ms=step_ms,
-                mean_step_ms=busy / steps * 1e3 if steps else float("nan"), offered=args.concurrency / step_ms * 1e3, tokens=tokens / duration,
+                mean_step_ms=busy / steps * 1e3 if steps else float("nan"),
+                offered=args.concurrency / step_ms * 1e3, tokens=tokens / duration,
                 duration=duration, floor=floor, ttft=ttft.mean(), ttft99=np.percentile(ttft, 99),
                 itl=np.median(itl) * 1e3, itl99=np.percentile(itl, 99) * 1e3,
                 server_cpu=server_cpu, client_cpu=client_cpu)
